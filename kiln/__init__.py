@@ -1,0 +1,3 @@
+"""kiln: an LLM inference engine whose torch.compile pipeline is the product."""
+
+__version__ = "0.1.0"

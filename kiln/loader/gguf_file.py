@@ -1,0 +1,99 @@
+"""GGUF checkpoints (llama.cpp's format): architecture, dequantized weights, tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln.loader.tokenizer import Tokenizer
+from kiln.models.config import ModelArchConfig
+
+# GGUF tensor name -> HF name; {i} is the layer index.
+_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: str | Path):
+        import gguf
+
+        self.path = Path(path)
+        self.reader = gguf.GGUFReader(str(self.path))
+        self.fields = {name: f.contents() for name, f in self.reader.fields.items()}
+        arch = self.fields.get("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"{self.path}: GGUF architecture {arch!r} is not supported; kiln reads "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUF files (Llama 2/3, SmolLM2, ...)")
+        self.arch = arch
+
+    def config(self) -> ModelArchConfig:
+        f, a = self.fields, self.arch
+        heads = f[f"{a}.attention.head_count"]
+        hidden = f[f"{a}.embedding_length"]
+        names = {t.name for t in self.reader.tensors}
+        eos = f.get("tokenizer.ggml.eos_token_id")
+        return ModelArchConfig(
+            architecture="LlamaForCausalLM",
+            vocab_size=f.get(f"{a}.vocab_size") or len(f["tokenizer.ggml.tokens"]),
+            hidden_size=hidden,
+            intermediate_size=f[f"{a}.feed_forward_length"],
+            num_layers=f[f"{a}.block_count"],
+            num_heads=heads,
+            num_kv_heads=f.get(f"{a}.attention.head_count_kv", heads),
+            head_dim=f.get(f"{a}.rope.dimension_count", hidden // heads),
+            max_position_embeddings=f.get(f"{a}.context_length", 4096),
+            rms_norm_eps=float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(f.get(f"{a}.rope.freq_base", 10000.0)),
+            tie_word_embeddings="output.weight" not in names,
+            bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=(eos,) if eos is not None else (),
+        )
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_gguf_fields(self.fields)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named fp32 tensors, dequantized one at a time to keep peak memory low."""
+        from gguf.quants import dequantize
+
+        cfg = self.config()
+        patterns = {}
+        for i in range(cfg.num_layers):
+            patterns.update({g.format(i=i): h.format(i=i) for g, h in _NAMES.items()})
+        for t in self.reader.tensors:
+            if t.name not in patterns:
+                if t.name.startswith("rope_freqs"):
+                    continue
+                raise ValueError(f"{self.path}: unexpected tensor {t.name!r}")
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+            if t.name.endswith("attn_q.weight"):
+                w = _unpermute(w, cfg.num_heads)
+            elif t.name.endswith("attn_k.weight"):
+                w = _unpermute(w, cfg.num_kv_heads)
+            w = np.ascontiguousarray(w)
+            yield patterns[t.name], torch.from_numpy(w if w.flags.writeable else w.copy())
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's converter interleaves the two rotary halves of each Q/K head for its
+    # own rope; rotate-half rope needs them back as two contiguous halves.
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+

@@ -1,0 +1,116 @@
+"""The checkpoint's tokenizer and chat template, from tokenizer.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, Tokenizer as Backend, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+# llama.cpp's pre-tokenizer names -> how the text is split before BPE merges.
+_GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_LLAMA3_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"""
+                 r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_BYTES = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+_PRE_TOKENIZERS = {
+    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    # SmolLM2 (and StarCoder-style vocabularies): every digit on its own, then GPT-2 splits.
+    "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                               pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
+    "llama-bpe": lambda: pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"), _BYTES]),
+}
+_PRE_TOKENIZERS["starcoder"] = _PRE_TOKENIZERS["smollm"]
+_PRE_TOKENIZERS["llama3"] = _PRE_TOKENIZERS["llama-bpe"]
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types that are special tokens
+
+
+class Tokenizer:
+    def __init__(self, backend: Backend, chat_template: str | None, bos_token: str | None,
+                 eos_token: str | None, eos_token_ids: tuple[int, ...]):
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.eos_token_ids = eos_token_ids
+        self._template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this checkpoint has no chat template; send a plain prompt "
+                             "(kiln generate --no-chat, or /v1/completions)")
+        if self._template is None:
+            # The environment transformers renders templates in, so prompts match HF's.
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template writes any BOS itself; adding it again would double it.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    @classmethod
+    def from_folder(cls, folder: Path, eos_token_ids: tuple[int, ...]) -> "Tokenizer":
+        backend = Backend.from_file(str(folder / "tokenizer.json"))
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        template = config.get("chat_template")
+        template_file = folder / "chat_template.jinja"
+        if template is None and template_file.exists():
+            template = template_file.read_text()
+        if isinstance(template, list):  # named templates: take the default
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+        if eos is not None and not eos_token_ids:
+            eos_token_ids = (backend.token_to_id(eos),)
+        return cls(backend, template, bos, eos, eos_token_ids)
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict) -> "Tokenizer":
+        """From llama.cpp's tokenizer.ggml.* metadata (a gpt2-style BPE vocabulary)."""
+        model = fields.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {model!r} is not supported; kiln builds "
+                             f"byte-level BPE ('gpt2') tokenizers from GGUF")
+        tokens = fields["tokenizer.ggml.tokens"]
+        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+        backend = Backend(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                              fuse_unk=False, byte_fallback=False))
+        pre = fields.get("tokenizer.ggml.pre", "gpt2")
+        backend.pre_tokenizer = _PRE_TOKENIZERS.get(pre, _PRE_TOKENIZERS["gpt2"])()
+        backend.decoder = decoders.ByteLevel()
+        types = fields.get("tokenizer.ggml.token_type", [])
+        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                    for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)])
+        bos_id, eos_id = fields.get("tokenizer.ggml.bos_token_id"), fields.get("tokenizer.ggml.eos_token_id")
+        bos = tokens[bos_id] if bos_id is not None else None
+        if fields.get("tokenizer.ggml.add_bos_token") and bos is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1", special_tokens=[(bos, bos_id)])
+        eos = tokens[eos_id] if eos_id is not None else None
+        return cls(backend, fields.get("tokenizer.chat_template"), bos, eos,
+                   (eos_id,) if eos_id is not None else ())
+
+
+def _token_text(token) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _raise(message):
+    raise jinja2.exceptions.TemplateError(message)

@@ -1,0 +1,60 @@
+"""Model classes by architecture name, and building one without touching memory twice."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kiln.models.config import ModelArchConfig
+from kiln.models.llama import LlamaForCausalLM
+from kiln.ops import enabled_custom_ops
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,  # same layers when sliding window is off
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(f"architecture {architecture!r} is not supported; kiln runs "
+                         f"{', '.join(sorted(MODEL_REGISTRY))}") from None
+
+
+def build_model(cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                custom_ops: frozenset[str],
+                weights: Iterable[tuple[str, torch.Tensor]] | None) -> nn.Module:
+    """Build on the meta device, give it storage on `device` in `dtype`, then fill it.
+
+    `weights` None means random weights (benchmarks): normal(0, 0.02), norms at 1.
+    """
+    cls = model_class(cfg.architecture)
+    with torch.device("meta"), enabled_custom_ops(custom_ops):
+        model = cls(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()
+    with torch.no_grad():
+        if weights is None:
+            _init_random(model)
+        else:
+            model.load_weights(weights)
+        for module in model.modules():
+            if hasattr(module, "init_buffers"):
+                module.init_buffers(device)
+    return model.eval().requires_grad_(False)
+
+
+def _init_random(model: nn.Module) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            p.fill_(1.0)
+        elif p.is_cuda:
+            # Fill on the device: an 8B model drawn on the host would take minutes.
+            p.normal_(0.0, 0.02)
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)

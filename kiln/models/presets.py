@@ -1,0 +1,38 @@
+"""Named architectures, for random-weight models in benchmarks and tests."""
+
+from __future__ import annotations
+
+from kiln.models.config import ModelArchConfig
+
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+PRESETS: dict[str, ModelArchConfig] = {
+    "smollm2-135m": ModelArchConfig(
+        "LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_ids=(2,)),
+    "llama-2-7b": ModelArchConfig(
+        "LlamaForCausalLM", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+        num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_ids=(2,)),
+    "llama-3-8b": ModelArchConfig(
+        "LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=128000, eos_token_ids=(128001, 128009)),
+    "llama-3.1-8b": ModelArchConfig(
+        "LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009)),
+    "llama-3-70b": ModelArchConfig(
+        "LlamaForCausalLM", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=128000, eos_token_ids=(128001, 128009)),
+    # A few-layer model for fast tests of anything that compiles.
+    "tiny-llama": ModelArchConfig(
+        "LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_ids=(2,)),
+}

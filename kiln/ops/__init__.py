@@ -1,0 +1,10 @@
+"""kiln's ops. Importing this registers every `torch.ops.kiln.*` op."""
+
+from kiln.ops.activation import SiluAndMul
+from kiln.ops.attention import Attention
+from kiln.ops.custom_op import enabled_custom_ops, known_ops, resolve_custom_ops
+from kiln.ops.norm import RMSNorm
+from kiln.ops.rotary import RotaryEmbedding
+
+__all__ = ["Attention", "RMSNorm", "RotaryEmbedding", "SiluAndMul", "enabled_custom_ops",
+           "known_ops", "resolve_custom_ops"]

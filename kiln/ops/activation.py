@@ -1,0 +1,40 @@
+"""SiLU-and-mul: the gated activation of the Llama MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.custom_op import CustomOp
+
+
+def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@torch.library.custom_op("kiln::silu_and_mul", mutates_args=())
+def silu_and_mul_op(x: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul_native(x)
+
+
+@silu_and_mul_op.register_fake
+def _(x):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@silu_and_mul_op.register_kernel("cuda")
+def _(x):
+    from kiln.ops.triton.activation import silu_and_mul
+
+    return silu_and_mul(x)
+
+
+class SiluAndMul(CustomOp):
+    op_names = ("silu_and_mul",)
+
+    def forward_native(self, x):
+        return silu_and_mul_native(x)
+
+    def forward_kernel(self, x):
+        return silu_and_mul_op(x)

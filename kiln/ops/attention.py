@@ -1,0 +1,88 @@
+"""Attention as two opaque ops: a KV-cache write, then attention over the paged cache.
+
+Why opaque: attention reads a paged cache through block tables whose shapes and contents
+change every step; no compiler can specialise that usefully, and the kernels are written
+by hand anyway. So the compile pipeline splits the graph at these ops (see
+kiln.compile.split) and runs them eagerly between compiled pieces.
+
+Why two ops: the write must happen before attention reads the cache. Attention takes the
+write's (empty) result as an input, so the data dependency, not op order, keeps them
+together, and no graph pass can move one without the other.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.compile.split import split_op
+from kiln.forward_context import get_forward_context
+from kiln.ops.attention_reference import (
+    causal_attention_reference,
+    paged_attention_reference,
+    write_kv_reference,
+)
+
+
+@split_op(reason="writes the paged KV cache from the forward context")
+@torch.library.custom_op("kiln::kv_cache_write", mutates_args=())
+def kv_cache_write(key: torch.Tensor, value: torch.Tensor, layer_name: str) -> torch.Tensor:
+    ctx = get_forward_context()
+    if ctx is not None and ctx.attn_metadata is not None and layer_name in ctx.kv_caches:
+        kv_cache = ctx.kv_caches[layer_name]
+        slot_mapping = ctx.attn_metadata.slot_mapping
+        if kv_cache.is_cuda:
+            from kiln.ops.triton.attention import write_kv
+
+            write_kv(key, value, kv_cache, slot_mapping)
+        else:
+            write_kv_reference(key, value, kv_cache, slot_mapping)
+    return key.new_empty(0)
+
+
+@kv_cache_write.register_fake
+def _(key, value, layer_name):
+    return key.new_empty(0)
+
+
+@split_op(reason="attention over the paged KV cache; metadata from the forward context")
+@torch.library.custom_op("kiln::attention", mutates_args=("out",))
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_written: torch.Tensor,
+              out: torch.Tensor, layer_name: str, scale: float) -> None:
+    ctx = get_forward_context()
+    meta = ctx.attn_metadata if ctx is not None else None
+    kv_cache = ctx.kv_caches.get(layer_name) if ctx is not None else None
+    if meta is None or kv_cache is None:
+        # No cache (a profiling run or a bare forward): attend within the fresh keys.
+        starts = meta.query_start_loc_cpu if meta is not None else [0, query.shape[0]]
+        causal_attention_reference(query, key, value, out, starts, scale)
+    elif kv_cache.is_cuda:
+        from kiln.ops.triton.attention import paged_attention
+
+        paged_attention(query, kv_cache, out, meta, scale)
+    else:
+        paged_attention_reference(query, kv_cache, out, meta, scale)
+
+
+@attention.register_fake
+def _(query, key, value, kv_written, out, layer_name, scale):
+    return None
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA over the paged KV cache of layer `layer_name`."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_name: str):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.layer_name = layer_name
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = torch.empty_like(q)
+        written = kv_cache_write(k, v, self.layer_name)
+        attention(q, k, v, written, out, self.layer_name, self.scale)
+        return out.flatten(1)

@@ -1,0 +1,86 @@
+"""RMSNorm and fused residual-add + RMSNorm."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.ops.custom_op import CustomOp, is_enabled
+
+
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32, scale in the model dtype: the order HF's LlamaRMSNorm uses, so
+    # fp32 and bf16 results match it bit for bit where the kernels allow.
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def fused_add_rms_norm_native(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x + residual
+    return rms_norm_native(residual, weight, eps), residual
+
+
+@torch.library.custom_op("kiln::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_native(x, weight, eps)
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@rms_norm_op.register_kernel("cuda")
+def _(x, weight, eps):
+    from kiln.ops.triton.norm import rms_norm
+
+    return rms_norm(x, weight, eps)
+
+
+@torch.library.custom_op("kiln::fused_add_rms_norm", mutates_args=())
+def fused_add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return fused_add_rms_norm_native(x, residual, weight, eps)
+
+
+@fused_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@fused_add_rms_norm_op.register_kernel("cuda")
+def _(x, residual, weight, eps):
+    from kiln.ops.triton.norm import fused_add_rms_norm
+
+    return fused_add_rms_norm(x, residual, weight, eps)
+
+
+class RMSNorm(CustomOp):
+    """RMSNorm; called with a residual it adds first and returns (normed, new residual)."""
+
+    op_names = ("rms_norm", "fused_add_rms_norm")
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.fused_uses_kernel = is_enabled("fused_add_rms_norm")
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return super().forward(x)
+        if self.fused_uses_kernel:
+            return fused_add_rms_norm_op(x, residual, self.weight, self.eps)
+        return fused_add_rms_norm_native(x, residual, self.weight, self.eps)
+
+    def forward_native(self, x):
+        return rms_norm_native(x, self.weight, self.eps)
+
+    def forward_kernel(self, x):
+        return rms_norm_op(x, self.weight, self.eps)
+
