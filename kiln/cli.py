@@ -1,0 +1,88 @@
+"""`kiln generate | ...`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="'smollm2' (embedded default), a .gguf file, an HF folder, or a random preset")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--custom-ops", default="", help="e.g. 'none,+rms_norm' (one base: all or none)")
+
+
+def _engine_config(args):
+    from kiln.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        custom_ops=[s for s in args.custom_ops.split(",") if s])
+
+
+def cmd_generate(args) -> int:
+    from kiln.engine import LLMEngine, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    engine = LLMEngine(_engine_config(args))
+    if args.no_chat or engine.tokenizer.chat_template is None:
+        prompt = engine.tokenizer.encode(args.prompt)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt = engine.tokenizer.encode_chat(messages + [{"role": "user", "content": args.prompt}])
+    start = time.perf_counter()
+    engine.add_request(prompt, params)
+    printed, num_tokens = 0, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.text[printed:])
+            sys.stdout.flush()
+            printed, num_tokens = len(out.text), len(out.token_ids)
+    elapsed = time.perf_counter() - start
+    print()
+    print(f"[kiln] {num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s "
+          f"(model {engine.source.name}, {engine.runner.device}, {str(engine.runner.dtype).removeprefix('torch.')}, "
+          f"start-up {engine.startup_seconds:.1f} s)", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kiln", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt (chat template applied)")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--system", default=None, help="a system message for the chat template")
+    gen.add_argument("--no-chat", action="store_true", help="send the prompt as plain text")
+    _engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

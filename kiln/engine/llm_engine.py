@@ -1,0 +1,136 @@
+"""The engine loop: requests in, one scheduled forward per step, tokens and text out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from kiln.config import EngineConfig
+from kiln.engine.block_manager import BlockManager
+from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.runner import ModelRunner
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.scheduler import Scheduler
+from kiln.engine.sequence import Sequence
+from kiln.loader import load_source
+
+logger = logging.getLogger("kiln")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort"
+    num_preemptions: int = 0
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestOutput":
+        return cls(seq.seq_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], seq.text,
+                   seq.output_token_ids, seq.finished, seq.finish_reason, seq.num_preemptions)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        start = time.perf_counter()
+        self.source = load_source(config.model)
+        self.tokenizer = self.source.tokenizer
+        self.max_model_len = self._max_model_len()
+        self.runner = ModelRunner(config, source=self.source)
+        capacity = self.runner.num_blocks * config.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({self.runner.num_blocks} blocks of "
+                f"{config.block_size}), fewer than max_model_len={self.max_model_len}: one long "
+                f"request could never run. Lower max_model_len or give the cache more memory "
+                f"(kv_cache_gib on CPU, gpu_memory_utilization on GPU, or num_kv_blocks)")
+        self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, config.block_size),
+                                   config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = set(self.source.config.eos_token_ids)
+        if self.tokenizer is not None:
+            self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
+        self.seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.startup_seconds = time.perf_counter() - start
+        logger.info("engine ready in %.1f s (weights %.1f s)", self.startup_seconds, self.runner.load_seconds)
+
+    def _max_model_len(self) -> int:
+        model_len = self.source.config.max_position_embeddings
+        if self.config.max_model_len is None:
+            return model_len
+        if self.config.max_model_len > model_len:
+            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's context "
+                             f"of {model_len} tokens; lower it")
+        return self.config.max_model_len
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.source.name!r} has no tokenizer; pass token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty: send at least one token of text")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the context holds "
+                             f"{self.max_model_len} (max_model_len), prompt and output together; "
+                             f"shorten the prompt")
+        vocab = self.source.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        seq = Sequence(request_id, text, ids, params, detok)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One forward over the next batch; outputs of every sequence that got a token."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        sampled = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        outputs = []
+        for seq, token in sampled:
+            self._append_token(seq, token)
+            outputs.append(RequestOutput.of(seq))
+            if seq.finished:
+                self.seqs.pop(seq.seq_id, None)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        p = seq.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            self.scheduler.finish(seq, "stop")
+        elif seq.detokenizer is not None and seq.detokenizer.add(token):
+            self.scheduler.finish(seq, "stop")
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.scheduler.finish(seq, "length")

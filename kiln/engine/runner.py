@@ -1,0 +1,125 @@
+"""Owns the model and its KV cache; turns a scheduled batch into one forward and samples."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kiln.config import EngineConfig
+from kiln.engine.sampler import sample
+from kiln.engine.scheduler import ScheduledBatch
+from kiln.engine.sequence import Sequence
+from kiln.forward_context import AttentionMetadata, set_forward_context
+from kiln.loader import ModelSource
+from kiln.models import build_model
+from kiln.ops import Attention, resolve_custom_ops
+
+logger = logging.getLogger("kiln")
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    sample_rows: list[int]  # rows of the hidden states whose logits pick a token
+    sample_seqs: list[Sequence]  # the sequences those rows belong to
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource):
+        self.config = config
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.block_size = config.block_size
+        # Without Inductor, the fused kernels are the only fusion there is.
+        custom_ops = resolve_custom_ops(config.custom_ops, default_base="all")
+        start = time.perf_counter()
+        self.model = build_model(source.config, self.dtype, self.device, custom_ops,
+                                 source.weights() if source.weights else None)
+        self.load_seconds = time.perf_counter() - start
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_caches = {
+            layer.layer_name: torch.empty(2, self.num_blocks, self.block_size, layer.num_kv_heads,
+                                          layer.head_dim, dtype=self.dtype, device=self.device)
+            for layer in self.attn_layers
+        }
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
+                    self.num_blocks * self.bytes_per_block / 2**30)
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem for a in self.attn_layers)
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type != "cuda":
+            return int(self.config.kv_cache_gib * 2**30) // self.bytes_per_block
+        return self._profile_gpu_blocks()
+
+    def _profile_gpu_blocks(self) -> int:
+        """Blocks that fit in the GPU share left after a forward of the largest batch."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        n = self.config.max_num_batched_tokens
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        with torch.inference_mode(), set_forward_context(None, {}):
+            self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device)))
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        non_torch = (total - free) - torch.cuda.memory_reserved()
+        peak = torch.cuda.max_memory_allocated()
+        budget = total * self.config.gpu_memory_utilization - peak - non_torch
+        if budget <= 0:
+            raise RuntimeError(f"no GPU memory left for the KV cache: the model peaks at "
+                               f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise "
+                               f"gpu_memory_utilization or lower max_num_batched_tokens")
+        return int(budget) // self.bytes_per_block
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """Pack the batch: token ids, positions, attention metadata, and the rows to sample."""
+        bs = self.block_size
+        ids, positions, slots, starts, seq_lens = [], [], [], [0], []
+        sample_rows, sample_seqs = [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids += seq.token_ids[begin:end]
+            positions += range(begin, end)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(begin, end)]
+            starts.append(starts[-1] + n)
+            seq_lens.append(end)
+            if end == seq.num_tokens:  # caught up: its last logits choose the next token
+                sample_rows.append(starts[-1] - 1)
+                sample_seqs.append(seq)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            max_query_len=max(batch.num_new_tokens), max_seq_len=max(seq_lens),
+            num_actual_tokens=len(ids), seq_lens_cpu=seq_lens, query_start_loc_cpu=starts,
+        )
+        return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
+                          torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                          sample_rows, sample_seqs)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        """Run one step; returns (sequence, next token) for each sequence that caught up."""
+        step = self.prepare(batch)
+        with set_forward_context(step.attn_metadata, self.kv_caches):
+            hidden = self.model(step.input_ids, step.positions)
+        if not step.sample_seqs:
+            return []
+        logits = self.model.compute_logits(hidden[step.sample_rows])
+        seqs = step.sample_seqs
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return list(zip(seqs, tokens))

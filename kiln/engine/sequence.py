@@ -1,0 +1,58 @@
+"""A request as the scheduler sees it: its tokens, its blocks, and how far it has run."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, detokenizer: IncrementalDetokenizer | None):
+        self.seq_id = seq_id
+        self.prompt = prompt
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.detokenizer = detokenizer
+        self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer else ""
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,24 @@
+"""`kiln generate` as a user runs it: a fresh process, the embedded model, no network."""
+
+import os
+import subprocess
+import sys
+
+
+def _kiln(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_generate_prints_text_and_speed():
+    run = _kiln("generate", "What is the capital of France?", "--max-tokens", "12")
+    assert run.returncode == 0, run.stderr
+    assert "Paris" in run.stdout
+    assert "tokens/s" in run.stderr and "model smollm2" in run.stderr
+
+
+def test_generate_bad_input_is_a_clear_error():
+    run = _kiln("generate", "hi", "--custom-ops", "+rms_norm")
+    assert run.returncode == 2
+    assert "exactly one base" in run.stderr and "Traceback" not in run.stderr

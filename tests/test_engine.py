@@ -1,0 +1,80 @@
+"""The engine end to end on the embedded SmolLM2: batching, preemption, stops, aborts."""
+
+import pytest
+
+from kiln import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
+    "My favourite food is", "In 1969, astronauts", "Water boils at", "The quick brown fox",
+    "To make a cup of tea,", "The largest planet in the solar system", "Machine learning is",
+    "Dear diary, today", "The recipe calls for", "Photosynthesis converts", "A haiku about autumn:",
+    "The stock market",
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    return [llm.generate(p, GREEDY)[0].token_ids for p in PROMPTS]
+
+
+def test_batched_equals_alone(llm, alone):
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == alone
+
+
+def test_batched_equals_alone_with_preemption_and_chunked_prefill(alone):
+    # 24 blocks of 4 tokens cannot hold 16 sequences of ~30 tokens: some are preempted
+    # and recomputed; an 8-token budget also cuts every prompt into prefill chunks.
+    small = LLM("smollm2", device="cpu", dtype="float32", block_size=4, num_kv_blocks=24,
+                max_model_len=96, max_num_batched_tokens=8)
+    outs = small.generate(PROMPTS, GREEDY)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == alone
+    assert small.engine.scheduler.block_manager.num_free_blocks == 24
+
+
+def test_stop_string_cuts_text(llm):
+    free = llm.generate("The capital of France is", SamplingParams(max_tokens=16, temperature=0))[0]
+    stop = free.text.strip().split()[1]  # a word the model is known to produce
+    out = llm.generate("The capital of France is",
+                       SamplingParams(max_tokens=16, temperature=0, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert stop not in out.text and free.text.startswith(out.text)
+
+
+def test_stop_token_id_and_max_tokens(llm):
+    free = llm.generate("Once upon a time", SamplingParams(max_tokens=8, temperature=0))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+    out = llm.generate("Once upon a time",
+                       SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[free.token_ids[3]]))[0]
+    assert out.token_ids == free.token_ids[:4] and out.finish_reason == "stop"
+
+
+def test_chat_stops_at_end_of_turn(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=32, temperature=0))[0]
+    assert out.finish_reason == "stop" and "Paris" in out.text
+    assert out.token_ids[-1] in llm.engine.eos_token_ids
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    first = llm.generate("Once upon a time", params)[0].token_ids
+    batched = llm.generate(["Once upon a time", "The stock market"], [params, SamplingParams(max_tokens=5)])
+    assert batched[0].token_ids == first
+    other = llm.generate("Once upon a time", SamplingParams(max_tokens=12, temperature=0.9, seed=99))[0]
+    assert other.token_ids != first
+
+
+def test_abort_returns_every_block(llm):
+    engine = llm.engine
+    free_before = engine.scheduler.block_manager.num_free_blocks
+    rid = engine.add_request("Tell me a long story about a dragon.", SamplingParams(max_tokens=100))
+    engine.step()
+    engine.step()
+    assert engine.scheduler.block_manager.num_free_blocks < free_before
+    engine.abort_request(rid)
+    assert engine.scheduler.block_manager.num_free_blocks == free_before
+    assert not engine.has_unfinished()

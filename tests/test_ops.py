@@ -1,0 +1,70 @@
+"""The dual-implementation ops on CPU: enablement rules and agreement of the two paths."""
+
+import pytest
+import torch
+
+from kiln.forward_context import set_forward_context
+from kiln.models import build_model
+from kiln.models.presets import PRESETS
+from kiln.ops import known_ops, resolve_custom_ops
+from kiln.ops.rotary import rope_inv_freq
+
+
+def test_custom_ops_lists():
+    assert set(known_ops()) == {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"}
+    assert resolve_custom_ops([], "none") == frozenset()
+    assert resolve_custom_ops([], "all") == frozenset(known_ops())
+    assert resolve_custom_ops(["none", "+rms_norm"], "all") == {"rms_norm"}
+    assert resolve_custom_ops(["all", "-silu_and_mul"], "none") == set(known_ops()) - {"silu_and_mul"}
+    assert resolve_custom_ops("none,+silu_and_mul", "all") == {"silu_and_mul"}
+
+
+def _logits(custom_ops, ids):
+    model = build_model(PRESETS["tiny-llama"], torch.float32, torch.device("cpu"), custom_ops, None)
+    assert all(m.uses_kernel == (m.op_names[0] in custom_ops)
+               for m in model.modules() if hasattr(m, "uses_kernel"))
+    with torch.inference_mode(), set_forward_context(None, {}):
+        return model.compute_logits(model(ids, torch.arange(len(ids))))
+
+
+def test_kernel_path_matches_native_path():
+    ids = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(0))
+    native = _logits(frozenset(), ids)
+    kernel = _logits(resolve_custom_ops(["all"], "none"), ids)
+    torch.testing.assert_close(kernel, native, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_path_is_opaque_to_dynamo():
+    """With the kernel path on, Dynamo sees torch.ops.kiln.* calls, not their math."""
+    model = build_model(PRESETS["tiny-llama"], torch.float32, torch.device("cpu"),
+                        resolve_custom_ops(["all"], "none"), None)
+    targets = set()
+
+    def backend(gm, example_inputs):
+        targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    ids = torch.arange(8)
+    with set_forward_context(None, {}):
+        torch.compile(model, backend=backend, fullgraph=True)(ids, ids)
+    torch._dynamo.reset()
+    for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
+               "kv_cache_write", "attention"):
+        assert any(f"kiln.{op}" in t for t in targets), op
+
+
+def test_llama31_rope_scaling_matches_transformers():
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    preset = PRESETS["llama-3.1-8b"]
+    hf = transformers.LlamaConfig(**preset.to_hf())
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    ours = rope_inv_freq(preset.head_dim, preset.rope_theta, preset.rope_scaling)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+
+
+def test_unknown_rope_scaling_is_an_error():
+    with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported"):
+        rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})

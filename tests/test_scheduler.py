@@ -1,0 +1,81 @@
+"""Scheduler and block manager on their own, with no model."""
+
+from kiln.engine.block_manager import BlockManager
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.scheduler import Scheduler
+from kiln.engine.sequence import Sequence, SequenceStatus
+
+
+def _seq(name, n):
+    return Sequence(name, None, list(range(1, n + 1)), SamplingParams(max_tokens=100), None)
+
+
+def _run(batch):
+    """Pretend the forward ran: count the tokens computed, and sample a token where caught up."""
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(7)
+
+
+def test_new_prefill_joins_running_decodes():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    a = _seq("a", 10)
+    sched.add(a)
+    _run(sched.schedule())
+    b = _seq("b", 6)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 6]
+
+
+def test_prefill_is_chunked_by_the_token_budget():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=8)
+    a, b = _seq("a", 20), _seq("b", 3)
+    sched.add(a)
+    sched.add(b)
+    sizes = []
+    for _ in range(4):
+        batch = sched.schedule()
+        sizes.append([(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)])
+        assert batch.num_tokens <= 8
+        _run(batch)
+    assert sizes[0] == [("a", 8)]
+    assert sizes[1] == [("a", 8)]
+    assert sizes[2] == [("a", 4), ("b", 3)]
+    assert sizes[3] == [("a", 1), ("b", 1)]
+
+
+def test_preemption_frees_blocks_and_requeues_the_newest():
+    bm = BlockManager(6, 4)  # 24 token slots
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = _seq("a", 12), _seq("b", 12)  # 3 blocks each: the cache is full after prefill
+    sched.add(a)
+    sched.add(b)
+    _run(sched.schedule())
+    assert bm.num_free_blocks == 0
+    batch = sched.schedule()  # a needs a 4th block for its 13th token: b must go
+    assert batch.seqs == [a]
+    assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    assert sched.waiting[0] is b and sched.num_preemptions == 1
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=64)
+    for name in "abc":
+        sched.add(_seq(name, 2))
+    batch = sched.schedule()
+    assert [s.seq_id for s in batch.seqs] == ["a", "b"]
+    sched.finish(batch.seqs[0], "stop")
+    assert [s.seq_id for s in sched.schedule().seqs] == ["b", "c"]
+
+
+def test_finish_returns_blocks():
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a = _seq("a", 9)
+    sched.add(a)
+    sched.schedule()
+    assert bm.num_free_blocks == 5
+    sched.finish(a, "abort")
+    assert bm.num_free_blocks == 8 and not sched.has_unfinished()
