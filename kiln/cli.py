@@ -56,7 +56,7 @@ def cmd_generate(args) -> int:
     print()
     print(f"[kiln] {num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s "
           f"(model {engine.source.name}, {engine.runner.device}, {str(engine.runner.dtype).removeprefix('torch.')}, "
-          f"start-up {engine.startup_seconds:.1f} s)", file=sys.stderr)
+          f"start-up {engine.timeline.ready_seconds:.1f} s)", file=sys.stderr)
     return 0
 
 

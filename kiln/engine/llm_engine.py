@@ -14,6 +14,7 @@ from kiln.engine.runner import ModelRunner
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.sequence import Sequence
+from kiln.engine.timeline import StartupTimeline
 from kiln.loader import load_source
 
 logger = logging.getLogger("kiln")
@@ -37,13 +38,14 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, timeline: StartupTimeline | None = None):
         self.config = config
-        start = time.perf_counter()
-        self.source = load_source(config.model)
-        self.tokenizer = self.source.tokenizer
-        self.max_model_len = self._max_model_len()
-        self.runner = ModelRunner(config, source=self.source)
+        self.timeline = timeline or StartupTimeline()
+        with self.timeline.phase("checkpoint"):
+            self.source = load_source(config.model)
+            self.tokenizer = self.source.tokenizer
+            self.max_model_len = self._max_model_len()
+        self.runner = ModelRunner(config, self.source, self.timeline)
         capacity = self.runner.num_blocks * config.block_size
         if capacity < self.max_model_len:
             raise ValueError(
@@ -58,8 +60,7 @@ class LLMEngine:
             self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
-        self.startup_seconds = time.perf_counter() - start
-        logger.info("engine ready in %.1f s (weights %.1f s)", self.startup_seconds, self.runner.load_seconds)
+        self.timeline.mark_ready()
 
     def _max_model_len(self) -> int:
         model_len = self.source.config.max_position_embeddings

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +11,7 @@ from kiln.config import EngineConfig
 from kiln.engine.sampler import sample
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
+from kiln.engine.timeline import StartupTimeline
 from kiln.forward_context import AttentionMetadata, set_forward_context
 from kiln.loader import ModelSource
 from kiln.models import build_model
@@ -30,23 +30,23 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource):
+    def __init__(self, config: EngineConfig, source: ModelSource, timeline: StartupTimeline):
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.block_size = config.block_size
         # Without Inductor, the fused kernels are the only fusion there is.
         custom_ops = resolve_custom_ops(config.custom_ops, default_base="all")
-        start = time.perf_counter()
-        self.model = build_model(source.config, self.dtype, self.device, custom_ops,
-                                 source.weights() if source.weights else None)
-        self.load_seconds = time.perf_counter() - start
+        with timeline.phase("weights"):
+            self.model = build_model(source.config, self.dtype, self.device, custom_ops,
+                                     source.weights() if source.weights else None)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.num_blocks = self._num_kv_blocks()
-        self.kv_caches = {
-            layer.layer_name: torch.empty(2, self.num_blocks, self.block_size, layer.num_kv_heads,
-                                          layer.head_dim, dtype=self.dtype, device=self.device)
-            for layer in self.attn_layers
-        }
+        with timeline.phase("kv_cache"):
+            self.num_blocks = self._num_kv_blocks()
+            self.kv_caches = {
+                layer.layer_name: torch.empty(2, self.num_blocks, self.block_size, layer.num_kv_heads,
+                                              layer.head_dim, dtype=self.dtype, device=self.device)
+                for layer in self.attn_layers
+            }
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                     self.num_blocks * self.bytes_per_block / 2**30)
 
@@ -69,7 +69,9 @@ class ModelRunner:
         n = self.config.max_num_batched_tokens
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.inference_mode(), set_forward_context(None, {}):
-            self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device)))
+            hidden = self.model(ids, torch.arange(n, device=self.device))
+            # A step samples at most one row per sequence.
+            self.model.compute_logits(hidden[: self.config.max_num_seqs])
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         non_torch = (total - free) - torch.cuda.memory_reserved()

@@ -1,0 +1,56 @@
+"""Start-up phases and their durations, readable while start-up is still running."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+logger = logging.getLogger("kiln")
+
+
+class StartupTimeline:
+    """Phases in order (weights, dynamo, inductor or cache load, graph capture, ...), then ready."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.phases: dict[str, float] = {}  # finished phase -> seconds
+        self.current: str | None = "starting"
+        self.ready = False
+        self.ready_seconds: float | None = None  # from construction to ready
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        with self._lock:
+            self.current = name
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - start
+            with self._lock:
+                self.phases[name] = self.phases.get(name, 0.0) + seconds
+            logger.info("start-up phase %s took %.2f s", name, seconds)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Record a phase measured elsewhere (e.g. compile time split out of a first call)."""
+        with self._lock:
+            self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+    def mark_ready(self) -> None:
+        with self._lock:
+            self.current, self.ready = "ready", True
+            self.ready_seconds = self.total_seconds
+        logger.info("ready after %.2f s: %s", self.ready_seconds,
+                    ", ".join(f"{k} {v:.2f} s" for k, v in self.phases.items()))
+
+    @property
+    def total_seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {"phase": self.current, "ready": self.ready, "phases_s": dict(self.phases),
+                    "elapsed_s": round(self.total_seconds, 3)}
