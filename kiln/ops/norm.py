@@ -29,9 +29,13 @@ def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return rms_norm_native(x, weight, eps)
 
 
+def _normed_like(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
 @rms_norm_op.register_fake
 def _(x, weight, eps):
-    return torch.empty_like(x)
+    return _normed_like(x, weight)
 
 
 @rms_norm_op.register_kernel("cuda")
@@ -50,7 +54,7 @@ def fused_add_rms_norm_op(
 
 @fused_add_rms_norm_op.register_fake
 def _(x, residual, weight, eps):
-    return torch.empty_like(x), torch.empty_like(x)
+    return _normed_like(x, weight), torch.empty_like(x)
 
 
 @fused_add_rms_norm_op.register_kernel("cuda")

@@ -1,0 +1,382 @@
+"""The Triton kernels against their native references.
+
+Without a CUDA GPU the kernels run in Triton's interpreter on CPU (slowly: sizes are
+small). Output buffers are poisoned with NaN first, so an element a kernel forgets to
+write shows up. Tolerances per dtype are stated in ELEMENTWISE_TOL and ATTENTION_TOL.
+
+Two limits of the interpreter shape what runs here: it casts fp32 to bf16 by truncation
+(the GPU rounds to nearest), so bf16 results may differ by a unit in the last place more;
+and its tl.dot multiplies bf16 blocks as raw integers, so attention is checked in fp32
+and fp16 here and in bf16 by benchmarks/gpu_kernels.py on the GPU. What only the GPU
+compiler would reject is caught by test_kernels_compile_for_sm90, which compiles every
+kernel for an H100/H200 without needing one.
+"""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from kiln.forward_context import AttentionMetadata  # noqa: E402
+from kiln.ops.activation import silu_and_mul_native  # noqa: E402
+from kiln.ops.attention_reference import paged_attention_reference, write_kv_reference  # noqa: E402
+from kiln.ops.norm import fused_add_rms_norm_native, rms_norm_native  # noqa: E402
+from kiln.ops.rotary import rope_cos_sin_cache, rotary_native  # noqa: E402
+from kiln.ops.triton.activation import silu_and_mul  # noqa: E402
+from kiln.ops.triton.attention import paged_attention, write_kv  # noqa: E402
+from kiln.ops.triton.norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from kiln.ops.triton.rotary import rotary_embedding  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# (atol, rtol) for elementwise kernels: fp32 is exact up to reduction order and libm;
+# fp16 and bf16 allow about two units in the last place (the kernels round once where
+# torch may round after every op, and the interpreter truncates bf16).
+ELEMENTWISE_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 3e-2)}
+
+
+def _patch_interpreter_for_numpy_2_4() -> None:
+    """Triton 3.6's interpreter turns a 1-element array into a loop bound with int(), which
+    numpy >= 2.4 rejects (triton-lang/triton#9171, fixed upstream in #9172); without this
+    the attention kernel's `for ... in range(runtime bound)` fails in interpret mode."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "kiln_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.kiln_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRETED:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(triton.language.standard.sum, InterpretedFunction):
+        # Triton's own jit helpers (tl.sum, ...) are bound at its import: it must see
+        # TRITON_INTERPRET=1 first. kiln.models imports torch._dynamo, which imports triton.
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (by an earlier test module); "
+                    "set it in tests/conftest.py before anything imports torch._dynamo, or run this file "
+                    "alone", allow_module_level=True)
+    _patch_interpreter_for_numpy_2_4()
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty / empty_like return NaN-filled float tensors, so unwritten outputs show."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+def randn(*shape, dtype=torch.float32, generator=None):
+    return torch.randn(*shape, generator=generator).to(device=DEVICE, dtype=dtype)
+
+
+def assert_close(actual, expected, dtype, tol=None):
+    atol, rtol = (tol or ELEMENTWISE_TOL)[dtype]
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert not actual.isnan().any(), "an output element was not written"
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+# ---------------------------------------------------------------------------- norms, activation, rope
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (5, 3, 100), (7, 576)])
+def test_rms_norm(shape, dtype, poisoned_empty):
+    x, weight = randn(*shape, dtype=dtype), randn(shape[-1], dtype=dtype)
+    assert_close(rms_norm(x, weight, 1e-5), rms_norm_native(x, weight, 1e-5), dtype)
+
+
+def test_rms_norm_strided_rows(poisoned_empty):
+    x = randn(6, 256)[:, :100]  # rows 256 apart, last dim contiguous
+    weight = randn(100)
+    assert_close(rms_norm(x, weight, 1e-6), rms_norm_native(x, weight, 1e-6), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (5, 3, 100), (7, 576)])
+def test_fused_add_rms_norm(shape, dtype, poisoned_empty):
+    x, residual, weight = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype), randn(shape[-1], dtype=dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+    out, new_residual = fused_add_rms_norm(x, residual, weight, 1e-5)
+    expected_out, expected_residual = fused_add_rms_norm_native(x, residual, weight, 1e-5)
+    assert_close(new_residual, expected_residual, dtype)
+    assert_close(out, expected_out, dtype)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def test_norm_rejects_wrong_weight():
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(randn(2, 64), randn(32), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", [(3, 2 * 50), (2, 3, 2 * 1100)])  # the second spans two column tiles
+def test_silu_and_mul(shape, dtype, poisoned_empty):
+    x = randn(*shape, dtype=dtype) * 3
+    assert_close(silu_and_mul(x), silu_and_mul_native(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 128), (64, 32)])
+def test_rotary_embedding_on_qkv_views(head_dim, rotary_dim, dtype, poisoned_empty):
+    num_tokens, num_heads, num_kv_heads = 7, 9, 3
+    cache = rope_cos_sin_cache(rotary_dim, 4096, 10000.0, None, device=DEVICE)
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q, k, _ = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    positions = torch.randint(0, 4096, (num_tokens,), device=DEVICE)
+    q_out, k_out = rotary_embedding(positions, q, k, cache, head_dim)
+    q_ref, k_ref = rotary_native(positions, q, k, cache, head_dim)
+    assert_close(q_out, q_ref, dtype)
+    assert_close(k_out, k_ref, dtype)
+
+
+# ---------------------------------------------------------------------------- paged KV cache and attention
+
+
+class PagedBatch:
+    """A mixed batch over a random paged cache whose block tables are shuffled, not the identity.
+
+    Sequence i has query_lens[i] new tokens, the last of a context of seq_lens[i] tokens.
+    query, key and value are [T, H, D] views of one fused qkv tensor (strided like the
+    model's), with `padding` extra tokens at the end (slot -1, outside every sequence).
+    """
+
+    def __init__(self, query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
+                 dtype=torch.float32, padding=3, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        blocks_per_seq = [-(-length // block_size) for length in seq_lens]
+        num_blocks = sum(blocks_per_seq) + 4
+        block_ids = torch.randperm(num_blocks, generator=g).tolist()
+        # Spare columns hold real block ids: a kernel reading past a sequence's blocks would see data.
+        table = torch.randint(0, num_blocks, (len(seq_lens), max(blocks_per_seq) + 2), generator=g)
+        for i, count in enumerate(blocks_per_seq):
+            table[i, :count] = torch.tensor(block_ids[:count], dtype=torch.long)
+            block_ids = block_ids[count:]
+
+        num_tokens = sum(query_lens) + padding
+        slots = []
+        for i, (q_len, length) in enumerate(zip(query_lens, seq_lens)):
+            for pos in range(length - q_len, length):
+                slots.append(int(table[i, pos // block_size]) * block_size + pos % block_size)
+        slots += [-1] * padding
+        starts = [0]
+        for q_len in query_lens:
+            starts.append(starts[-1] + q_len)
+
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        qkv = randn(num_tokens, sum(sizes), dtype=dtype, generator=g)
+        q, k, v = qkv.split(sizes, dim=-1)
+        self.query = q.view(num_tokens, num_heads, head_dim)
+        self.key = k.view(num_tokens, num_kv_heads, head_dim)
+        self.value = v.view(num_tokens, num_kv_heads, head_dim)
+        self.kv_cache = randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, generator=g)
+        self.num_actual_tokens = starts[-1]
+        self.scale = head_dim**-0.5
+        self.meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+            block_tables=table.to(device=DEVICE, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_actual_tokens=starts[-1],
+            seq_lens_cpu=list(seq_lens), query_start_loc_cpu=starts,
+        )
+
+    def reference_output(self, kv_cache=None):
+        """fp32 attention on the same (rounded) inputs; padding rows stay NaN."""
+        kv_cache = self.kv_cache if kv_cache is None else kv_cache
+        out = torch.full(self.query.shape, float("nan"), device=DEVICE)
+        paged_attention_reference(self.query.float(), kv_cache.float(), out, self.meta, self.scale)
+        return out
+
+    def kernel_output(self, kv_cache=None, **kwargs):
+        kv_cache = self.kv_cache if kv_cache is None else kv_cache
+        out = torch.full(self.query.shape, float("nan"), dtype=self.query.dtype, device=DEVICE)
+        paged_attention(self.query, kv_cache, out, self.meta, self.scale, **kwargs)
+        return out
+
+
+# fp32: exact up to summation order. fp16: the kernel rounds softmax probabilities to fp16
+# before the P @ V product (as flash attention does); the reference stays in fp32.
+ATTENTION_TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (4e-3, 1e-2), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def assert_attention_matches(batch, out, expected):
+    n = batch.num_actual_tokens
+    assert_close(out[:n], expected[:n].to(out.dtype), out.dtype, ATTENTION_TOL)
+    assert out[n:].isnan().all(), "padding rows past the batch must be left untouched"
+
+
+DECODE = dict(query_lens=[1, 1, 1, 1], seq_lens=[1, 17, 64, 200])
+PREFILL = dict(query_lens=[5, 33], seq_lens=[5, 33])
+# decode, a chunk in the middle of a prompt, a fresh prompt, decode again
+MIXED = dict(query_lens=[1, 20, 9, 1], seq_lens=[150, 100, 9, 33])
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_attention_mixed_batch(block_size, num_heads, num_kv_heads, head_dim):
+    batch = PagedBatch(**MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       block_size=block_size)
+    assert_attention_matches(batch, batch.kernel_output(), batch.reference_output())
+
+
+@pytest.mark.parametrize("shape", [DECODE, PREFILL], ids=["decode", "prefill"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paged_attention_decode_and_prefill(shape, num_heads, num_kv_heads, dtype):
+    batch = PagedBatch(**shape, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                       block_size=16, dtype=dtype)
+    assert_attention_matches(batch, batch.kernel_output(), batch.reference_output())
+
+
+@pytest.mark.parametrize("block_size", [64, 128])  # a cache block as long as or longer than a key tile
+def test_paged_attention_large_blocks(block_size):
+    batch = PagedBatch(**MIXED, num_heads=8, num_kv_heads=1, head_dim=64, block_size=block_size)
+    assert_attention_matches(batch, batch.kernel_output(), batch.reference_output())
+
+
+@pytest.mark.parametrize("head_dim", [80, 256])  # 80 is padded to 128 inside the kernel
+def test_paged_attention_other_head_dims(head_dim):
+    batch = PagedBatch(**MIXED, num_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=16)
+    assert_attention_matches(batch, batch.kernel_output(), batch.reference_output())
+
+
+@pytest.mark.parametrize("kv_splits", [2, 4, 16])
+@pytest.mark.parametrize("shape", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_paged_attention_split_kv(shape, kv_splits):
+    batch = PagedBatch(**shape, num_heads=12, num_kv_heads=4, head_dim=64, block_size=16)
+    assert_attention_matches(batch, batch.kernel_output(kv_splits=kv_splits), batch.reference_output())
+
+
+def test_paged_attention_long_decode_splits_automatically():
+    batch = PagedBatch(query_lens=[1, 1], seq_lens=[700, 1030], num_heads=8, num_kv_heads=2, head_dim=64,
+                       block_size=32, dtype=torch.float16)
+    assert_attention_matches(batch, batch.kernel_output(), batch.reference_output())
+
+
+def test_paged_attention_skips_empty_padding_sequences():
+    # CUDA-graph padding may add sequences with no queries and no context.
+    batch = PagedBatch(query_lens=[3, 0, 1, 0], seq_lens=[40, 0, 20, 0], num_heads=4, num_kv_heads=2,
+                       head_dim=64, block_size=16)
+    assert_attention_matches(batch, batch.kernel_output(), batch.reference_output())
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_write_kv_then_attention_on_qkv_views(block_size):
+    batch = PagedBatch(**MIXED, num_heads=9, num_kv_heads=3, head_dim=64, block_size=block_size)
+    assert not batch.key.is_contiguous() and not batch.query.is_contiguous()
+    kernel_cache, reference_cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+    write_kv(batch.key, batch.value, kernel_cache, batch.meta.slot_mapping)
+    write_kv_reference(batch.key, batch.value, reference_cache, batch.meta.slot_mapping)
+    assert torch.equal(kernel_cache, reference_cache)
+    out = batch.kernel_output(kernel_cache)
+    assert_attention_matches(batch, out, batch.reference_output(reference_cache))
+
+
+def test_attention_rejects_unsupported_inputs():
+    batch = PagedBatch(**DECODE, num_heads=4, num_kv_heads=4, head_dim=64, block_size=16)
+    out = torch.empty_like(batch.query)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention(batch.query[:, :3], batch.kv_cache, out[:, :3], batch.meta, batch.scale)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_attention(batch.query, batch.kv_cache, out, batch.meta, batch.scale, kv_splits=3)
+    with pytest.raises(ValueError, match="cache"):
+        write_kv(batch.key.half(), batch.value.half(), batch.kv_cache, batch.meta.slot_mapping)
+
+
+# ---------------------------------------------------------------------------- GPU compilation, without a GPU
+
+
+def test_kernels_compile_for_sm90():
+    """Compile each kernel to a cubin for sm_90 (H100/H200) in a process not in interpret mode."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, os.path.abspath(__file__), "compile-sm90"], env=env, cwd=root,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _compile_all_for_sm90() -> None:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from kiln.ops.triton import activation, attention, norm, rotary
+
+    def build(kernel, args: dict, constants: dict, num_warps=4):
+        # Pointers and strides are marked 16-divisible, as the launcher marks real ones.
+        signature, attrs = {}, {}
+        for index, name in enumerate(kernel.arg_names):
+            if name in constants:
+                signature[name] = "constexpr"
+                continue
+            signature[name] = args[name]
+            if args[name].startswith("*") or "stride" in name:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": num_warps})
+        print("compiled", kernel.__name__, constants)
+
+    bf16, f32, i32 = "*bf16", "fp32", "i32"
+    build(norm._rms_norm_kernel, dict(x_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, x_row_stride=i32,
+                                      out_row_stride=i32, hidden_size=i32, eps=f32), dict(BLOCK=4096), 16)
+    build(norm._fused_add_rms_norm_kernel,
+          dict(x_ptr=bf16, residual_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, new_residual_ptr=bf16,
+               x_row_stride=i32, residual_row_stride=i32, out_row_stride=i32, hidden_size=i32, eps=f32),
+          dict(BLOCK=4096), 16)
+    build(activation._silu_and_mul_kernel, dict(x_ptr=bf16, out_ptr=bf16, x_row_stride=i32, out_row_stride=i32,
+                                                width=i32), dict(BLOCK=1024))
+    build(rotary._rotary_kernel,
+          dict(positions_ptr="*i64", q_ptr=bf16, k_ptr=bf16, cache_ptr="*fp32", q_out_ptr=bf16, k_out_ptr=bf16,
+               q_token_stride=i32, k_token_stride=i32, cache_row_stride=i32, num_q_heads=i32, num_kv_heads=i32),
+          dict(HEAD_DIM=128, ROTARY_DIM=128, BLOCK_DIM=128, BLOCK_Q_HEADS=32, BLOCK_KV_HEADS=8))
+    build(attention._write_kv_kernel,
+          dict(key_ptr=bf16, value_ptr=bf16, key_cache_ptr=bf16, value_cache_ptr=bf16, slot_mapping_ptr="*i64",
+               key_token_stride=i32, key_head_stride=i32, value_token_stride=i32, value_head_stride=i32,
+               cache_block_stride=i32, cache_slot_stride=i32, cache_head_stride=i32, num_kv_heads=i32,
+               block_size=i32),
+          dict(HEAD_DIM=128, BLOCK_HEADS=8, BLOCK_DIM=128))
+    attention_args = dict(
+        key_cache_ptr=bf16, value_cache_ptr=bf16, block_tables_ptr="*i32", seq_lens_ptr="*i32",
+        query_start_loc_ptr="*i32", partial_acc_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
+        num_seqs=i32, scale_log2=f32, query_token_stride=i32, query_head_stride=i32, out_token_stride=i32,
+        out_head_stride=i32, block_table_stride=i32, cache_block_stride=i32, cache_slot_stride=i32,
+        cache_head_stride=i32, block_size=i32,
+    )
+    for dtype, group, head_dim, block_m, splits in [("bf16", 4, 128, 16, 8), ("bf16", 3, 64, 64, 1),
+                                                    ("fp32", 1, 128, 64, 1)]:
+        pointer = "*" + dtype
+        build(attention._paged_attention_kernel,
+              dict(attention_args, query_ptr=pointer, key_cache_ptr=pointer, value_cache_ptr=pointer, out_ptr=pointer),
+              dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=64, BLOCK_DIM=head_dim,
+                   KV_SPLITS=splits, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32"))
+    build(attention._merge_splits_kernel,
+          dict(out_ptr=bf16, partial_acc_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
+               query_start_loc_ptr="*i32", num_seqs=i32, out_token_stride=i32, out_head_stride=i32),
+          dict(HEAD_DIM=128, BLOCK_DIM=128, KV_SPLITS=8))
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["compile-sm90"]:
+    _compile_all_for_sm90()
