@@ -1,4 +1,4 @@
-"""`kiln generate | ...`: the command line."""
+"""`kiln generate | serve | ...`: the command line."""
 
 from __future__ import annotations
 
@@ -60,6 +60,16 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from kiln.engine.timeline import StartupTimeline
+
+    timeline = StartupTimeline()  # before the server's imports, so /health times them too
+    from kiln.server.run import serve
+
+    return serve(_engine_config(args), args.host, args.port, args.served_model_name, args.shutdown_timeout,
+                 args.access_log, timeline)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--no-chat", action="store_true", help="send the prompt as plain text")
     _engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /health, /metrics)")
+    serve.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds open requests may take to finish on SIGTERM before they are aborted")
+    serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    _engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)

@@ -71,7 +71,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
 def test_abort_returns_every_block(llm):
     engine = llm.engine
     free_before = engine.scheduler.block_manager.num_free_blocks
-    rid = engine.add_request("Tell me a long story about a dragon.", SamplingParams(max_tokens=100))
+    rid = engine.add_request("Tell me a long story about a dragon.",
+                             SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
     engine.step()
     engine.step()
     assert engine.scheduler.block_manager.num_free_blocks < free_before

@@ -1,0 +1,48 @@
+"""Run the app under uvicorn, with a shutdown that ends every open request cleanly.
+
+On SIGTERM or SIGINT the engine stops taking requests at once and gives the running ones
+`shutdown_timeout` seconds; what is still running then is aborted, so each stream ends
+with an error event instead of a cut connection. Meanwhile uvicorn closes the listening
+socket and waits for the open responses to end.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from kiln.config import EngineConfig
+from kiln.engine.timeline import StartupTimeline
+from kiln.server.app import build_app
+
+logger = logging.getLogger("kiln")
+
+# uvicorn's own deadline comes later than the engine's: by then every stream has ended.
+_UVICORN_GRACE_S = 5.0
+
+
+def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
+          shutdown_timeout: float = 30.0, access_log: bool = False,
+          timeline: StartupTimeline | None = None) -> int:
+    """Serve until a signal; returns the exit code (1 if the engine failed)."""
+    server: _Server | None = None
+
+    def exit_on_failure(error: BaseException) -> None:  # a server that cannot serve should not linger
+        server.should_exit = True
+
+    app = build_app(config, served_model_name, timeline, exit_on_failure)
+    engine = app.state.engine
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            engine.stop(shutdown_timeout)
+            super().handle_exit(sig, frame)
+
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_config=None, access_log=access_log,
+                                    timeout_graceful_shutdown=shutdown_timeout + _UVICORN_GRACE_S))
+    server.run()
+    if engine.failure is not None:
+        logger.error("exiting: the engine failed: %s", engine.failure)
+        return 1
+    return 0

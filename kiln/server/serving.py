@@ -1,0 +1,224 @@
+"""OpenAI semantics over AsyncEngine: request -> prompt ids and SamplingParams -> response or SSE stream."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kiln.engine.async_engine import AsyncEngine, EngineNotReady, RequestAborted
+from kiln.engine.llm_engine import RequestOutput
+from kiln.engine.sampling_params import SamplingParams
+from kiln.server.errors import APIError, error_body
+from kiln.server.metrics import RequestTimer, ServerMetrics
+from kiln.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                  ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
+                                  CompletionRequest, CompletionResponse, Delta, Usage, new_id)
+
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "stop", "seed")
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
+        self.engine, self.model_name, self.metrics = engine, model_name, metrics
+
+    def check_ready(self) -> None:
+        if not self.engine.ready:
+            reason = self.engine.not_ready_reason()
+            raise APIError(503, reason, code="not_ready", headers={"Retry-After": "1"})
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_request(req)
+        tokenizer = self._tokenizer("chat completions need a tokenizer and chat template; "
+                                    "send token ids to /v1/completions")
+        try:
+            prompt_ids = tokenizer.encode_chat([m.as_template_input() for m in req.messages])
+        except (ValueError, jinja2.TemplateError) as e:
+            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+        max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return await self._run(req, raw, "chat", prompt_ids, "messages", max_tokens, max_tokens_param)
+
+    async def complete(self, req: CompletionRequest, raw: Request) -> Response:
+        self._check_request(req)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, f"send one prompt per request (got {len(prompt)})", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt = self._tokenizer("this model has no tokenizer: send the prompt as token ids").encode(prompt)
+        return await self._run(req, raw, "completions", prompt, "prompt", req.max_tokens, "max_tokens")
+
+    def _check_request(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        self.check_ready()
+        if req.model != self.model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist here; this server serves "
+                           f"{self.model_name!r}", param="model", code="model_not_found")
+        field = req.unsupported_field()
+        if field is not None:
+            raise APIError(400, f"{field}={getattr(req, field)!r} is not supported by kiln; leave it out",
+                           param=field, code="unsupported_parameter")
+
+    def _tokenizer(self, message_if_none: str):
+        tokenizer = self.engine.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, message_if_none)
+        return tokenizer
+
+    async def _run(self, req, raw: Request, endpoint: str, prompt_ids: list[int], prompt_param: str,
+                   max_tokens: int | None, max_tokens_param: str) -> Response:
+        max_model_len = self.engine.engine.max_model_len
+        if len(prompt_ids) >= max_model_len:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but the context holds "
+                           f"{max_model_len} (max_model_len), prompt and output together; shorten the "
+                           f"prompt", param=prompt_param, code="context_length_exceeded")
+        if max_tokens is None:  # as much as the context leaves
+            max_tokens = max_model_len - len(prompt_ids)
+        params = _sampling_params(req, max_tokens, max_tokens_param)
+        request_id = new_id("chatcmpl" if endpoint == "chat" else "cmpl")
+        timer = self.metrics.timer(endpoint, len(prompt_ids))
+        try:
+            outputs = await self.engine.add_request(prompt_ids, params, request_id)
+        except ValueError as e:
+            raise APIError(400, str(e), param=prompt_param) from None
+        except EngineNotReady as e:
+            raise APIError(503, str(e), code="not_ready") from None
+        if req.stream:
+            stream = _ChatStream if endpoint == "chat" else _CompletionStream
+            events = stream(request_id, self.model_name, req.include_usage, params, len(prompt_ids))
+            return StreamingResponse(events.run(outputs, timer), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        final = await _last_output(outputs, raw, timer)
+        if final is None:  # the client left; nobody reads this
+            return Response(status_code=499)
+        usage = Usage.of(len(prompt_ids), len(final.token_ids))
+        if endpoint == "chat":
+            choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=final.finish_reason)
+            body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
+        else:
+            choice = CompletionChoice(text=final.text, finish_reason=final.finish_reason)
+            body = CompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
+        return JSONResponse(body.model_dump())
+
+
+def _sampling_params(req, max_tokens: int, max_tokens_param: str) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
+                              top_p=req.top_p, seed=req.seed, stop=req.stop or [],
+                              stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                              include_stop_str_in_output=req.include_stop_str_in_output)
+    except ValueError as e:
+        # SamplingParams' messages start with the field they are about.
+        field = str(e).split()[0]
+        param = max_tokens_param if field == "max_tokens" else field if field in _SAMPLING_FIELDS else None
+        raise APIError(400, str(e), param=param) from None
+
+
+async def _last_output(outputs: AsyncIterator[RequestOutput], raw: Request,
+                       timer: RequestTimer) -> RequestOutput | None:
+    """Run a request to the end; None if the client disconnected first (the request is aborted)."""
+    async with contextlib.aclosing(outputs):
+        try:
+            async for out in outputs:
+                timer.output(out)
+                if out.finished:
+                    return out
+                if await raw.is_disconnected():
+                    timer.aborted()
+                    return None
+        except RequestAborted as e:
+            timer.aborted()
+            raise APIError(503, str(e), code="aborted") from None
+    return None
+
+
+class _SSEStream:
+    """Server-sent events of one request: text deltas, the finish reason, usage, then [DONE]."""
+
+    def __init__(self, request_id: str, model: str, include_usage: bool, params: SamplingParams,
+                 num_prompt_tokens: int):
+        self.request_id, self.model, self.include_usage = request_id, model, include_usage
+        self.num_prompt_tokens = num_prompt_tokens
+        # Text that may be the start of a stop string is held back until it is known not to
+        # be one: the engine cuts a stop string out of the text only once it is complete.
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    async def run(self, outputs: AsyncIterator[RequestOutput], timer: RequestTimer) -> AsyncIterator[str]:
+        sent, final = 0, None
+        try:
+            first = self.first_chunk()
+            if first is not None:
+                yield _event(first)
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    timer.output(out)
+                    end = len(out.text) if out.finished else max(sent, len(out.text) - self.holdback)
+                    if end > sent:
+                        yield _event(self.text_chunk(out.text[sent:end]))
+                        sent = end
+                    final = out
+            yield _event(self.finish_chunk(final.finish_reason))
+            if self.include_usage:
+                yield _event(self.usage_chunk(Usage.of(self.num_prompt_tokens, len(final.token_ids))))
+            yield "data: [DONE]\n\n"
+        except RequestAborted as e:
+            yield f"data: {json.dumps(error_body(503, str(e), code='aborted'))}\n\n"
+        finally:
+            # Cancelled (the client went away) or aborted: the engine thread frees the blocks.
+            if final is None or not final.finished:
+                timer.aborted()
+
+    def first_chunk(self):
+        raise NotImplementedError
+
+    def text_chunk(self, text: str):
+        raise NotImplementedError
+
+    def finish_chunk(self, reason: str):
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: Usage):
+        raise NotImplementedError
+
+
+class _ChatStream(_SSEStream):
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=choices, usage=usage)
+
+    def first_chunk(self):
+        return self._chunk([ChatChunkChoice(delta=Delta(role="assistant", content=""))])
+
+    def text_chunk(self, text):
+        return self._chunk([ChatChunkChoice(delta=Delta(content=text))])
+
+    def finish_chunk(self, reason):
+        return self._chunk([ChatChunkChoice(delta=Delta(), finish_reason=reason)])
+
+    def usage_chunk(self, usage):
+        return self._chunk([], usage)
+
+
+class _CompletionStream(_SSEStream):
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)
+
+    def first_chunk(self):
+        return None
+
+    def text_chunk(self, text):
+        return self._chunk([CompletionChoice(text=text)])
+
+    def finish_chunk(self, reason):
+        return self._chunk([CompletionChoice(text="", finish_reason=reason)])
+
+    def usage_chunk(self, usage):
+        return self._chunk([], usage)
+
+
+def _event(chunk) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"

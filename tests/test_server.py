@@ -1,0 +1,223 @@
+"""`kiln serve` as clients see it: one real server process on loopback, the official openai client."""
+
+import asyncio
+import http.client
+import json
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from server_process import ServerProcess  # noqa: E402
+
+MODEL = "smollm2"
+MAX_MODEL_LEN = 1024
+PROMPTS = [
+    "The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
+    "My favourite food is", "In 1969, astronauts", "Water boils at", "The quick brown fox",
+    "To make a cup of tea,", "The largest planet in the solar system", "Machine learning is",
+    "Dear diary, today", "The recipe calls for", "Photosynthesis converts", "A haiku about autumn:",
+    "The stock market",
+]
+GREEDY = dict(max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--max-model-len", str(MAX_MODEL_LEN))
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _chat(client, content: str, **kwargs):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kwargs)
+
+
+def test_health_is_503_with_the_phase_until_ready_then_200(server):
+    status, body = server.before_ready["health"]
+    assert status == 503 and body["status"] == "starting" and body["phase"] not in (None, "ready")
+    status, body = server.before_ready["models"]
+    assert status == 503 and body["error"]["code"] == "not_ready"
+    status, body = server.get("/health")
+    assert status == 200 and body["status"] == "ready" and body["phase"] == "ready"
+    assert {"checkpoint", "weights"} <= set(body["phases_s"]) and body["ready_s"] > 0
+
+
+def test_models(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+
+
+def test_chat_completion(client):
+    out = _chat(client, "What is the capital of France?", max_tokens=32, temperature=0)
+    choice = out.choices[0]
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert choice.finish_reason == "stop" and out.model == MODEL and out.object == "chat.completion"
+    usage = out.usage
+    assert usage.prompt_tokens > 10 and 0 < usage.completion_tokens <= 32
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_completion_with_text_token_ids_and_stop(client):
+    free = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
+    assert free.choices[0].finish_reason == "length" and free.usage.completion_tokens == 12
+    text = free.choices[0].text
+    stop = text.split()[1]
+    cut = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12,
+                                    temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and text.startswith(cut.choices[0].text)
+    assert stop not in cut.choices[0].text
+    ids = client.completions.create(model=MODEL, prompt=[504, 3458, 282, 4649, 314], max_tokens=4, temperature=0)
+    assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens == 4
+
+
+def test_chat_stream_equals_non_stream(client):
+    whole = _chat(client, "Name three colors.", max_tokens=24, temperature=0)
+    chunks = list(_chat(client, "Name three colors.", max_tokens=24, temperature=0, stream=True,
+                        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_stream_holds_back_a_stop_string_until_it_is_known(client):
+    free = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0)
+    stop = free.choices[0].text[5:12]  # several tokens' worth, so it arrives across chunks
+    streamed = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                         stop=stop, stream=True)
+    text = "".join(c.choices[0].text for c in streamed)
+    assert text == free.choices[0].text[:5]
+
+
+def test_16_concurrent_streams_equal_the_same_prompts_alone(server, client):
+    alone = [client.completions.create(model=MODEL, prompt=p, **GREEDY).choices[0].text for p in PROMPTS]
+    peak_running = 0
+
+    async def stream(aclient, prompt):
+        chunks = await aclient.completions.create(model=MODEL, prompt=prompt, stream=True, **GREEDY)
+        return "".join([c.choices[0].text async for c in chunks])
+
+    async def watch_batch(done: asyncio.Event):
+        nonlocal peak_running
+        while not done.is_set():
+            running = await asyncio.to_thread(lambda: server.metrics()["kiln_requests_running"])
+            peak_running = max(peak_running, running)
+            await asyncio.sleep(0.05)
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        done = asyncio.Event()
+        watcher = asyncio.create_task(watch_batch(done))
+        texts = await asyncio.gather(*(stream(aclient, p) for p in PROMPTS))
+        done.set()
+        await watcher
+        await aclient.close()
+        return texts
+
+    assert asyncio.run(main()) == alone
+    assert peak_running > 1  # they shared batches
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server, client):
+    aborted_before = server.metrics().get("kiln_requests_total{endpoint=chat,finish_reason=abort}", 0)
+    stream = _chat(client, "Tell me a long story about a dragon.", max_tokens=400, temperature=0, stream=True,
+                   extra_body={"ignore_eos": True})
+    for _ in range(4):
+        next(stream)
+    assert server.metrics()["kiln_kv_blocks_in_use"] > 0
+    stream.close()  # closes the HTTP response: the server sees the client go
+    metrics = _wait_for(server, lambda m: m["kiln_kv_blocks_in_use"] == 0 and m["kiln_requests_running"] == 0)
+    assert metrics["kiln_kv_blocks_in_use"] == 0 and metrics["kiln_requests_running"] == 0
+    assert metrics["kiln_requests_total{endpoint=chat,finish_reason=abort}"] == aborted_before + 1
+
+
+def test_disconnect_before_a_non_streamed_answer_aborts_too(server):
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True})
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    _wait_for(server, lambda m: m["kiln_kv_blocks_in_use"] > 0)
+    conn.close()  # gone before the answer, which would take ~20 s more
+    metrics = _wait_for(server, lambda m: m["kiln_kv_blocks_in_use"] == 0 and m["kiln_requests_running"] == 0)
+    assert metrics["kiln_kv_blocks_in_use"] == 0 and metrics["kiln_requests_running"] == 0
+
+
+def _wait_for(server, condition, timeout_s: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = server.metrics()
+        if condition(metrics) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)
+
+
+def _long_prompt():
+    return "hello " * (MAX_MODEL_LEN + 10)
+
+
+@pytest.mark.parametrize("call, status, param, code", [
+    (lambda c: _chat(c, "hi", max_tokens="ten"), 400, "max_tokens", None),
+    (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": 7}]), 400,
+     "messages[0].content", None),
+    (lambda c: c.completions.create(model=MODEL, prompt="hi", temperature="hot"), 400, "temperature", None),
+    (lambda c: _chat(c, _long_prompt()), 400, "messages", "context_length_exceeded"),
+    (lambda c: c.completions.create(model=MODEL, prompt=_long_prompt()), 400, "prompt", "context_length_exceeded"),
+    (lambda c: _chat(c, "hi", max_tokens=0), 400, "max_tokens", None),
+    (lambda c: c.completions.create(model=MODEL, prompt="hi", max_tokens=-3, stream=True), 400, "max_tokens", None),
+    (lambda c: _chat(c, "hi", max_completion_tokens=0), 400, "max_completion_tokens", None),
+    (lambda c: _chat(c, "hi", temperature=-0.5), 400, "temperature", None),
+    (lambda c: _chat(c, "hi", temperature=-0.5, stream=True), 400, "temperature", None),
+    (lambda c: _chat(c, "hi", n=3), 400, "n", "unsupported_parameter"),
+    (lambda c: c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}]), 404,
+     "model", "model_not_found"),
+    (lambda c: c.completions.create(model="gpt-4o", prompt="hi"), 404, "model", "model_not_found"),
+], ids=["wrong-type", "wrong-type-nested", "wrong-type-float", "chat-over-context", "prompt-over-context",
+        "max-tokens-0", "max-tokens-negative-stream", "max-completion-tokens-0", "negative-temperature",
+        "negative-temperature-stream", "n-unsupported", "unknown-model-chat", "unknown-model-completions"])
+def test_bad_request_names_the_field_and_the_server_keeps_serving(client, call, status, param, code):
+    with pytest.raises(openai.APIStatusError) as info:
+        call(client)
+    error = info.value.body  # the client unwraps {"error": {...}}
+    assert info.value.status_code == status
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    if code is not None:
+        assert error["code"] == code
+    assert _chat(client, "hi", max_tokens=1).choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("body, message", [
+    (b'{"model": "smollm2", "messages": [', "not valid JSON"),
+    (b'["a", "list"]', "must be a JSON object"),
+])
+def test_malformed_body_is_an_openai_error(server, body, message):
+    status, raw = server.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    error = json.loads(raw)["error"]
+    assert status == 400 and message in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert server.get("/health")[0] == 200
+
+
+def test_metrics(server, client):
+    _chat(client, "hi", max_tokens=4, temperature=0)
+    status, raw = server.request("GET", "/metrics")
+    text = raw.decode()
+    metrics = server.metrics()
+    assert metrics["kiln_time_to_first_token_seconds_count"] > 0
+    assert metrics["kiln_time_per_output_token_seconds_count"] > 0
+    assert metrics["kiln_kv_blocks_total"] > 0 and metrics["kiln_ready"] == 1
+    assert metrics["kiln_startup_phase_seconds{phase=weights}"] > 0
+    for name in ("kiln_requests_running", "kiln_requests_waiting", "kiln_kv_blocks_in_use",
+                 "kiln_compile_seconds", "kiln_graph_capture_seconds", "kiln_compile_cache_hits_total",
+                 "kiln_compile_cache_misses_total"):
+        assert name in metrics
+    # The engine runs eagerly: no compile phases, and the help text says why the value is 0.
+    assert metrics["kiln_compile_seconds"] == 0 and "0 when the engine recorded none" in text

@@ -1,0 +1,106 @@
+"""AsyncEngine in-process, on the tiny random Llama: the engine thread, aborts, shutdown."""
+
+import asyncio
+
+import pytest
+
+from kiln import SamplingParams
+from kiln.config import EngineConfig
+from kiln.engine.async_engine import AsyncEngine, EngineNotReady, RequestAborted
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _config(**kwargs):
+    return EngineConfig(model="tiny-llama", device="cpu", dtype="float32", **kwargs)
+
+
+async def _started(config) -> AsyncEngine:
+    engine = AsyncEngine(config)
+    engine.start()
+    while not engine.ready:
+        assert engine.failure is None
+        await asyncio.sleep(0.01)
+    return engine
+
+
+async def _tokens(engine, prompt, params=GREEDY):
+    outputs = await engine.add_request(prompt, params)
+    return [out async for out in outputs][-1].token_ids
+
+
+def test_concurrent_requests_equal_the_offline_engine():
+    from kiln import LLM
+
+    alone = [o.token_ids for o in LLM("tiny-llama", device="cpu", dtype="float32").generate(PROMPTS, GREEDY)]
+
+    async def main():
+        engine = await _started(_config())
+        together = await asyncio.gather(*(_tokens(engine, p) for p in PROMPTS))
+        await engine.shutdown()
+        return together
+
+    assert asyncio.run(main()) == alone
+
+
+def test_leaving_early_aborts_and_frees_blocks():
+    async def main():
+        engine = await _started(_config())
+        outputs = await engine.add_request([1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True))
+        async for out in outputs:
+            if len(out.token_ids) == 3:
+                break
+        await outputs.aclose()
+        for _ in range(200):
+            if engine.stats.kv_blocks_in_use == 0 and engine.stats.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        stats = engine.stats
+        await engine.shutdown()
+        return stats
+
+    stats = asyncio.run(main())
+    assert stats.kv_blocks_in_use == 0 and stats.num_running == 0 and stats.kv_blocks_total > 0
+
+
+def test_refused_prompt_raises_and_the_engine_keeps_serving():
+    async def main():
+        engine = await _started(_config(max_model_len=64))
+        with pytest.raises(ValueError, match="shorten the prompt"):
+            await engine.add_request([1] * 64, GREEDY)
+        tokens = await _tokens(engine, [1, 2, 3])
+        await engine.shutdown()
+        return tokens
+
+    assert len(asyncio.run(main())) == GREEDY.max_tokens
+
+
+def test_shutdown_aborts_what_runs_and_refuses_new_requests():
+    async def main():
+        engine = await _started(_config())
+        outputs = await engine.add_request([1, 2, 3], SamplingParams(max_tokens=900, ignore_eos=True))
+        await outputs.__anext__()
+        await engine.shutdown(timeout_s=0)
+        with pytest.raises(RequestAborted, match="shut down"):
+            async for _ in outputs:
+                pass
+        with pytest.raises(EngineNotReady, match="shutting down"):
+            await engine.add_request([1, 2], GREEDY)
+        return engine.stats
+
+    assert asyncio.run(main()).kv_blocks_in_use == 0
+
+
+def test_start_up_failure_is_reported():
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="no-such-model"))
+        failures = []
+        engine.start(failures.append)
+        while engine.failure is None:
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineNotReady, match="engine failed.*unknown model"):
+            await engine.add_request([1], GREEDY)
+        return failures
+
+    assert "unknown model" in str(asyncio.run(main())[0])
