@@ -1,11 +1,20 @@
 """Shared, expensive things are built once per test session."""
 
 import os
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One Inductor cache per test session: compiled-model tests share artifacts with each other,
+# never with an earlier session (whose cache would hide compile failures).
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln-test-inductor-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# The Triton kernels run through Triton's CPU interpreter where there is no GPU. Triton reads
+# this once, at its first import (torch._dynamo imports it), so it is set before anything else.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(1)
 
@@ -36,3 +45,39 @@ def hf_smollm2():
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                               dtype=torch.float32)
     return model.eval()
+
+
+def _tiny_llama(num_layers: int = 2, **arch):
+    import dataclasses
+
+    from kiln.models import build_model
+    from kiln.models.presets import PRESETS
+
+    cfg = dataclasses.replace(PRESETS["tiny-llama"], num_layers=num_layers, **arch)
+    return build_model(cfg, torch.float32, torch.device("cpu"), frozenset(), None)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """The 2-layer toy Llama, fp32, random weights, native op paths (what Inductor fuses)."""
+    return _tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_factory():
+    """Build a toy Llama with a given number of layers (and other architecture overrides)."""
+    return _tiny_llama
+
+
+@pytest.fixture(scope="session")
+def compiled_tiny_llama(tiny_llama):
+    """tiny-llama through kiln's piecewise Inductor pipeline, eager strategy: two compile
+    ranges ([1, 8], [9, 64]) and two exact sizes (4, 16), all compiled at the first call."""
+    from kiln.compile import compile_model
+    from kiln.config import CompilationConfig
+
+    config = CompilationConfig(mode=3, piece_compiler="inductor", strategy="eager",
+                               compile_ranges=[8], compile_sizes=[4, 16])
+    compiled = compile_model(tiny_llama, config, max_num_batched_tokens=64)
+    compiled.warm_up(lambda n: (torch.randint(0, 512, (n,)), torch.arange(n)))
+    return compiled

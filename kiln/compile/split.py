@@ -4,6 +4,10 @@ An op becomes a split point in one of two ways, merged into one effective list:
 - at its definition, with `@split_op(reason=...)` on the `torch.library` op, so the list
   can be audited next to the code that needs it;
 - by name in the compilation config's `splitting_ops`.
+
+The scan walks the graph once in order. Consecutive split ops form one opaque region: the
+KV-cache write and the attention that reads it must run back to back, and a compiled
+piece between them would be a launch with nothing in it.
 """
 
 from __future__ import annotations
@@ -11,7 +15,11 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-_DECLARED: dict[str, str] = {}  # "ns::op" -> "file:line (reason)"
+import torch
+from torch import fx
+from torch.fx.passes.split_module import split_module
+
+_DECLARED: dict[str, str] = {}  # "ns::op" -> "decorator at file:line: reason"
 
 
 @dataclass(frozen=True)
@@ -47,3 +55,55 @@ def effective_split_ops(configured: list[str] | tuple[str, ...] = ()) -> list[Sp
     seen = {op.name for op in ops}
     ops += [SplitOp(op_name(n), "config") for n in configured if op_name(n) not in seen]
     return ops
+
+
+def check_split_ops(ops: list[SplitOp]) -> None:
+    """Fail at start-up on a configured name that no registered op answers to."""
+    for op in ops:
+        namespace, _, name = op.name.partition("::")
+        if not name or not hasattr(getattr(torch.ops, namespace), name):
+            raise ValueError(f"split op {op.name!r} (from {op.source}) is not a registered torch op; "
+                             f"write it as 'namespace::name', e.g. 'kiln::attention'")
+
+
+def is_split_node(node: fx.Node, names: set[str]) -> bool:
+    # Dynamo records a custom op either as the packet (torch.ops.ns.op) or as an overload
+    # (torch.ops.ns.op.default); op_name maps both to 'ns::op'.
+    return node.op == "call_function" and op_name(node.target) in names
+
+
+@dataclass
+class SplitGraph:
+    module: fx.GraphModule  # calls submod_<i> in order
+    pieces: list[str]  # names of the submodules to compile
+    regions: list[str]  # names of the opaque submodules (split ops), run as captured
+
+
+def subgraph_ids(graph: fx.Graph, names: set[str]) -> tuple[dict[fx.Node, int], set[int]]:
+    """Node -> subgraph id, bumped wherever the scan enters or leaves a run of split ops."""
+    ids: dict[fx.Node, int] = {}
+    opaque: set[int] = set()
+    current, in_region = 0, None
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        split = is_split_node(node, names)
+        if in_region is not None and split != in_region:
+            current += 1
+        in_region = split
+        ids[node] = current
+        if split:
+            opaque.add(current)
+    return ids, opaque
+
+
+def split_graph(gm: fx.GraphModule, names: set[str]) -> SplitGraph:
+    ids, opaque = subgraph_ids(gm.graph, names)
+    kwargs = {}
+    if "tuple_return" in inspect.signature(split_module).parameters:
+        kwargs["tuple_return"] = True  # else a one-output piece returns [tensor], not tensor
+    module = split_module(gm, gm, lambda node: ids[node], keep_original_order=True, **kwargs)
+    pieces, regions = [], []
+    for i in sorted(set(ids.values())):
+        (regions if i in opaque else pieces).append(f"submod_{i}")
+    return SplitGraph(module, pieces, regions)

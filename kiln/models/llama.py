@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kiln.compile import compile_dynamic
 from kiln.models.config import ModelArchConfig
 from kiln.ops import Attention, RMSNorm, RotaryEmbedding, SiluAndMul
 
@@ -81,6 +82,7 @@ class LlamaModel(nn.Module):
         return hidden
 
 
+@compile_dynamic(dynamic_arg_dims={"input_ids": 0, "positions": 0})
 class LlamaForCausalLM(nn.Module):
     # checkpoint name fragment -> (kiln parameter fragment, shard index) for fused weights
     FUSED = {

@@ -1,0 +1,81 @@
+"""What the compile pipeline did and how long it took: counters, timings, the log lines.
+
+Users grep for these lines, so their wording is fixed:
+    Dynamo bytecode transform time: X s
+    Compiling a graph for range [a, b] took X s     (or "for size n")
+    torch.compile took X s in total
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+from torch._dynamo.utils import counters as torch_counters
+from tqdm import tqdm
+
+logger = logging.getLogger("kiln.compile")
+
+
+@dataclass
+class CompileCounters:
+    graphs_seen: int = 0  # graphs Dynamo handed to kiln (1 per capture; more is a recompile)
+    pieces: int = 0  # compiled pieces in the split graph
+    unique_pieces: int = 0  # distinct pieces by structural hash (each compiled once per shape)
+    opaque_regions: int = 0  # runs of split ops, executed as captured
+    inductor_compiles: int = 0  # piece compiler invocations, one per unique piece and range/size
+    cache_hits: int = 0  # of those, served from Inductor's FX-graph cache
+    compiles_after_capture: int = 0  # lazy specialisations after the first call
+
+
+@dataclass
+class CompileTimes:
+    dynamo_s: float = 0.0  # bytecode analysis and graph capture
+    backend_s: float = 0.0  # splitting, fake propagation and compiling inside the backend
+    compile_s: float = 0.0  # piece compiler time (Inductor), at capture and later
+    total_s: float = 0.0  # the first call, end to end
+
+
+@dataclass
+class CompileMonitor:
+    counters: CompileCounters = field(default_factory=CompileCounters)
+    times: CompileTimes = field(default_factory=CompileTimes)
+
+    def stats(self) -> dict:
+        return {**asdict(self.counters), **{k: round(v, 3) for k, v in asdict(self.times).items()}}
+
+    def capture_done(self, total_s: float) -> None:
+        self.times.total_s = total_s
+        self.times.dynamo_s = max(total_s - self.times.backend_s, 0.0)
+        logger.info("Dynamo bytecode transform time: %.2f s", self.times.dynamo_s)
+        logger.info("torch.compile took %.2f s in total", total_s)
+
+    @contextlib.contextmanager
+    def backend_call(self):
+        self.counters.graphs_seen += 1
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times.backend_s += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def piece_compile(self, label: str, after_capture: bool):
+        hits = torch_counters["inductor"]["fxgraph_cache_hit"]
+        start = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - start
+        self.times.compile_s += seconds
+        self.counters.inductor_compiles += 1
+        self.counters.cache_hits += torch_counters["inductor"]["fxgraph_cache_hit"] - hits
+        self.counters.compiles_after_capture += after_capture
+        logger.debug("compiled %s in %.2f s", label, seconds)
+
+    def shape_compiled(self, label: str, seconds: float) -> None:
+        logger.info("Compiling a graph for %s took %.2f s", label, seconds)
+
+    def progress(self, total: int, what: str) -> tqdm:
+        # Only worth a bar when there is more than one thing to wait for.
+        return tqdm(total=total, desc=what, unit="piece", disable=total < 2, leave=False)

@@ -1,0 +1,73 @@
+"""Split points and the split scan: L layers give L opaque regions and L + 1 pieces."""
+
+import pytest
+import torch
+from torch import fx
+
+import kiln.ops  # noqa: F401  registers the ops and their @split_op declarations
+from kiln.compile import compile_model, effective_split_ops
+from kiln.compile.split import check_split_ops, is_split_node, op_name, subgraph_ids
+from kiln.config import CompilationConfig
+
+
+def test_split_ops_come_from_decorators_and_config_with_their_source():
+    ops = {op.name: op.source for op in effective_split_ops(["aten::mm", "kiln::attention"])}
+    assert ops["kiln::kv_cache_write"].startswith("decorator at ")
+    assert "attention.py" in ops["kiln::attention"]  # declared at the op, not duplicated by config
+    assert ops["aten::mm"] == "config"
+    assert list(ops).count("kiln::attention") == 1
+
+
+def test_unknown_split_op_is_a_start_up_error(tiny_llama):
+    with pytest.raises(ValueError, match="'kiln::no_such_op' .* not a registered torch op"):
+        compile_model(tiny_llama, CompilationConfig(splitting_ops=["kiln::no_such_op"]), 64)
+    check_split_ops(effective_split_ops(["aten.mm"]))  # 'ns.op' spelling is accepted
+
+
+def test_scan_matches_packets_and_overloads_and_merges_consecutive_split_ops():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.ops.aten.relu.default, (x,))
+    w = graph.call_function(torch.ops.kiln.kv_cache_write, (a, a, "l0"))  # packet
+    graph.call_function(torch.ops.kiln.attention.default, (a, a, a, w, a, "l0", 1.0))  # overload
+    b = graph.call_function(torch.ops.aten.relu.default, (a,))
+    graph.output(b)
+    names = {op.name for op in effective_split_ops()}
+    assert op_name(torch.ops.kiln.attention) == op_name(torch.ops.kiln.attention.default) == "kiln::attention"
+    ids, opaque = subgraph_ids(graph, names)
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    assert [ids[n] for n in nodes] == [0, 1, 1, 2]
+    assert opaque == {1}
+    assert is_split_node(nodes[1], names) and is_split_node(nodes[2], names)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 4, 30])
+def test_layers_give_opaque_regions_and_pieces(tiny_llama_factory, num_layers):
+    model = tiny_llama_factory(num_layers)
+    compiled = compile_model(model, CompilationConfig(mode=3, piece_compiler="eager"), 32)
+    ids, pos = torch.randint(0, 512, (6,)), torch.arange(6)
+    torch.testing.assert_close(compiled(ids, pos), model(ids, pos), rtol=0, atol=0)
+    stats = compiled.stats
+    assert stats["opaque_regions"] == num_layers
+    assert stats["pieces"] == num_layers + 1
+    # first (embedding + layer 0 up to attention), middle (identical across layers), last
+    assert stats["unique_pieces"] == min(num_layers + 1, 3)
+    assert len(compiled.backend.pieces.uniques) == stats["unique_pieces"]
+
+
+def test_each_opaque_region_holds_the_kv_write_and_its_attention(tiny_llama):
+    seen = {}
+
+    def record(gm, example_inputs):
+        seen["gm"] = gm
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(tiny_llama.forward, fullgraph=True, backend=record)(torch.randint(0, 512, (5,)), torch.arange(5))
+    from kiln.compile.split import split_graph
+
+    split = split_graph(seen["gm"], {op.name for op in effective_split_ops()})
+    assert len(split.regions) == 2 and len(split.pieces) == 3
+    for name in split.regions:
+        targets = [op_name(n.target) for n in getattr(split.module, name).graph.nodes if n.op == "call_function"]
+        assert targets == ["kiln::kv_cache_write", "kiln::attention"]

@@ -1,0 +1,64 @@
+"""torch.library.opcheck on every kiln custom op: schema (declared mutations), fake
+implementations and their use under AOT dispatch with dynamic shapes.
+
+The opaque ops are checked both bare and inside a forward context with a paged KV cache,
+the way the engine calls them.
+"""
+
+import pytest
+import torch
+
+import kiln.ops  # noqa: F401  registers torch.ops.kiln.*
+from kiln.forward_context import AttentionMetadata, set_forward_context
+from kiln.ops.rotary import rope_cos_sin_cache
+
+T, HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 5, 4, 2, 16, 64
+
+
+def _rand(*shape):
+    return torch.randn(*shape)
+
+
+def _cases():
+    q, k, v = _rand(T, HEADS, HEAD_DIM), _rand(T, KV_HEADS, HEAD_DIM), _rand(T, KV_HEADS, HEAD_DIM)
+    cache = rope_cos_sin_cache(HEAD_DIM, 64, 10000.0, None)
+    ops = torch.ops.kiln
+    return {
+        "rms_norm": (ops.rms_norm, (_rand(T, HIDDEN), _rand(HIDDEN), 1e-5)),
+        "fused_add_rms_norm": (ops.fused_add_rms_norm, (_rand(T, HIDDEN), _rand(T, HIDDEN), _rand(HIDDEN), 1e-5)),
+        "silu_and_mul": (ops.silu_and_mul, (_rand(T, 2 * HIDDEN),)),
+        "rotary_embedding": (ops.rotary_embedding, (torch.arange(T), _rand(T, HEADS * HEAD_DIM),
+                                                    _rand(T, KV_HEADS * HEAD_DIM), cache, HEAD_DIM)),
+        "kv_cache_write": (ops.kv_cache_write, (k, v, "layer0")),
+        "attention": (ops.attention, (q, k, v, torch.empty(0), torch.empty_like(q), "layer0", HEAD_DIM**-0.5)),
+    }
+
+
+def _paged_context():
+    block_size, blocks = 4, 4
+    kv_cache = torch.zeros(2, blocks, block_size, KV_HEADS, HEAD_DIM)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(T), block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+        seq_lens=torch.tensor([T], dtype=torch.int32), query_start_loc=torch.tensor([0, T], dtype=torch.int32),
+        max_query_len=T, max_seq_len=T, num_actual_tokens=T, seq_lens_cpu=[T], query_start_loc_cpu=[0, T])
+    return set_forward_context(meta, {"layer0": kv_cache})
+
+
+def test_every_kiln_op_is_checked():
+    registered = set(torch.ops.kiln)
+    assert registered == set(_cases()), f"ops without an opcheck case: {registered - set(_cases())}"
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_opcheck(name):
+    op, args = _cases()[name]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("name", ["kv_cache_write", "attention"])
+def test_opcheck_with_a_paged_kv_cache(name):
+    op, args = _cases()[name]
+    with _paged_context():
+        if name == "attention":  # attention reads what the write stored
+            torch.ops.kiln.kv_cache_write(args[1], args[2], "layer0")
+        torch.library.opcheck(op, args)
