@@ -4,12 +4,14 @@ CPU:  python benchmarks/engine_throughput.py --out benchmarks/results
       eager tokens/s for 16 prompts x 64 tokens on the embedded SmolLM2, and peak RSS of
       `kiln generate` measured with /usr/bin/time -v.
 GPU:  python benchmarks/engine_throughput.py --device cuda --model llama-3-8b --out $OUT
-      decode step time and tokens/s of a random bf16 Llama-3-8B at batch 1 and 64.
+      decode step time and tokens/s of a random bf16 Llama-3-8B at batch 1 and 64, eager
+      and compiled side by side (no CUDA graphs yet).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kiln import LLM, SamplingParams
+from kiln.config import CompilationConfig
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
            "My favourite food is", "In 1969, astronauts", "Water boils at", "The quick brown fox",
@@ -53,29 +56,43 @@ def peak_rss_of_generate() -> dict:
 
 
 def gpu_decode(model: str, batches: list[int], context: int, steps: int) -> list[dict]:
-    llm = LLM(model, device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
-              max_num_batched_tokens=max(2048, context * 8), max_model_len=context + steps + 16)
-    engine = llm.engine
-    gen = torch.Generator().manual_seed(0)
+    """Decode step time, eager (-O0: Triton kernels for every custom op) beside compiled (-O2)."""
     results = []
-    for batch in batches:
-        params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
-        for _ in range(batch):
-            engine.add_request(torch.randint(0, 1000, (context,), generator=gen).tolist(), params)
-        step_times = []
-        while engine.has_unfinished():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            engine.step()
-            torch.cuda.synchronize()
-            step_times.append(time.perf_counter() - start)
-        # Skip the prefill steps and the first decodes (allocator and autotuning warm-up).
-        decode = sorted(step_times[-(steps - 8):])
-        median = decode[len(decode) // 2]
-        results.append({"model": model, "batch": batch, "context": context, "decode_steps": len(decode),
-                        "median_step_ms": median * 1e3, "tokens_per_s": batch / median})
-        print(f"{model} batch {batch}: decode step {median * 1e3:.2f} ms, {batch / median:.0f} tokens/s")
+    for label, level in (("eager -O0", 0), ("compiled -O2", 2)):
+        start = time.perf_counter()
+        llm = LLM(model, device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
+                  max_num_batched_tokens=2048, max_model_len=context + steps + 16,
+                  num_kv_blocks=4096, compilation=CompilationConfig.level(level))
+        startup = time.perf_counter() - start
+        for batch in batches:
+            median = _median_decode_step(llm.engine, batch, context, steps)
+            results.append({"model": model, "mode": label, "startup_s": startup, "batch": batch,
+                            "context": context, "median_step_ms": median * 1e3,
+                            "tokens_per_s": batch / median})
+            print(f"{model} {label} batch {batch}: decode step {median * 1e3:.2f} ms, "
+                  f"{batch / median:.0f} tokens/s (start-up {startup:.1f} s)", flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
     return results
+
+
+def _median_decode_step(engine, batch: int, context: int, steps: int) -> float:
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+    vocab = engine.source.config.vocab_size
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(), params)
+    step_times = []
+    while engine.has_unfinished():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - start)
+    # Only the last decode steps: prefill and the first decodes (allocator warm-up) are out.
+    decode = sorted(step_times[-(steps - 8):])
+    return decode[len(decode) // 2]
 
 
 def main() -> None:
@@ -86,10 +103,10 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()
     result = {"torch": torch.__version__, "machine": platform.machine(), "device": args.device,
-              "mode": "eager (no compile)", "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+              "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.device == "cpu":
         torch.set_num_threads(1)
-        result["threads"] = 1
+        result.update(threads=1, mode="eager (the CPU default)")
         result["throughput"] = cpu_throughput(args.tokens)
         result["kiln_generate_peak_rss"] = peak_rss_of_generate()
         print(json.dumps(result, indent=2))

@@ -26,7 +26,7 @@ def _engine_config(args):
     from kiln.config import EngineConfig
 
     return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        compilation=args.compilation, model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -34,6 +34,7 @@ def _engine_config(args):
 
 
 def cmd_generate(args) -> int:
+    from kiln.config import DEFAULT_FORWARD_REASON
     from kiln.engine import LLMEngine, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -56,7 +57,9 @@ def cmd_generate(args) -> int:
     print()
     print(f"[kiln] {num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s "
           f"(model {engine.source.name}, {engine.runner.device}, {str(engine.runner.dtype).removeprefix('torch.')}, "
-          f"start-up {engine.timeline.ready_seconds:.1f} s)", file=sys.stderr)
+          f"start-up {engine.timeline.ready_seconds:.1f} s; forward "
+          f"{engine.runner.compiled.describe() if args.compilation else DEFAULT_FORWARD_REASON})",
+          file=sys.stderr)
     return 0
 
 
@@ -71,7 +74,11 @@ def cmd_serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kiln", description=__doc__)
+    from kiln.config import parse_compilation_args
+
+    parser = argparse.ArgumentParser(prog="kiln", description=__doc__,
+                                     epilog="Compilation: -O0..-O3, -cc.<key>=<value>, "
+                                            "--compilation-config '<json>', --enforce-eager")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt (chat template applied)")
     gen.add_argument("prompt")
@@ -93,7 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
     _engine_args(serve)
     serve.set_defaults(func=cmd_serve)
-    args = parser.parse_args(argv)
+    try:
+        # -O<n>, -cc.<key>=<value>, --compilation-config and --enforce-eager are not argparse-shaped.
+        rest, compilation = parse_compilation_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as e:
+        parser.error(str(e))
+    explicit = rest != (sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(rest)
+    args.compilation = compilation if explicit else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     try:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.config import EngineConfig
+from kiln.compile import CompiledModel, compile_model
+from kiln.config import DEFAULT_FORWARD_REASON, CompilationConfig, EngineConfig
 from kiln.engine.sampler import sample
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
@@ -34,12 +35,12 @@ class ModelRunner:
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.block_size = config.block_size
-        # Without Inductor, the fused kernels are the only fusion there is.
-        custom_ops = resolve_custom_ops(config.custom_ops, default_base="all")
+        custom_ops = resolve_custom_ops(config.custom_ops, config.default_custom_ops_base)
         with timeline.phase("weights"):
             self.model = build_model(source.config, self.dtype, self.device, custom_ops,
                                      source.weights() if source.weights else None)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.compiled = self._compile(config.compilation_config, timeline)
         with timeline.phase("kv_cache"):
             self.num_blocks = self._num_kv_blocks()
             self.kv_caches = {
@@ -49,6 +50,23 @@ class ModelRunner:
             }
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                     self.num_blocks * self.bytes_per_block / 2**30)
+
+    def _compile(self, compilation: CompilationConfig, timeline: StartupTimeline) -> CompiledModel:
+        """Capture and compile before the first request, so serving never waits on a compile."""
+        compiled = compile_model(self.model, compilation, self.config.max_num_batched_tokens)
+        if self.config.compilation is None:
+            logger.info("model forward: %s", DEFAULT_FORWARD_REASON)
+        if compiled.mode == 0:
+            return compiled
+        dev = self.device
+        with timeline.phase("compile", record=False), torch.inference_mode(), set_forward_context(None, {}):
+            # Values do not matter, only token counts; position 0 is valid for any model.
+            compiled.warm_up(lambda n: (torch.zeros(n, dtype=torch.long, device=dev),
+                                        torch.zeros(n, dtype=torch.long, device=dev)))
+        stats = compiled.stats
+        timeline.add("dynamo", stats["dynamo_s"])
+        timeline.add("inductor", stats["compile_s"])
+        return compiled
 
     @property
     def bytes_per_block(self) -> int:
@@ -69,7 +87,7 @@ class ModelRunner:
         n = self.config.max_num_batched_tokens
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.inference_mode(), set_forward_context(None, {}):
-            hidden = self.model(ids, torch.arange(n, device=self.device))
+            hidden = self.compiled(ids, torch.zeros_like(ids))
             # A step samples at most one row per sequence.
             self.model.compute_logits(hidden[: self.config.max_num_seqs])
         torch.cuda.synchronize()
@@ -118,7 +136,7 @@ class ModelRunner:
         """Run one step; returns (sequence, next token) for each sequence that caught up."""
         step = self.prepare(batch)
         with set_forward_context(step.attn_metadata, self.kv_caches):
-            hidden = self.model(step.input_ids, step.positions)
+            hidden = self.compiled(step.input_ids, step.positions)
         if not step.sample_seqs:
             return []
         logits = self.model.compute_logits(hidden[step.sample_rows])

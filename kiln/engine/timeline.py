@@ -22,7 +22,8 @@ class StartupTimeline:
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def phase(self, name: str):
+    def phase(self, name: str, record: bool = True):
+        """Mark `name` as the current phase; record its seconds unless its parts are added apart."""
         with self._lock:
             self.current = name
         start = time.perf_counter()
@@ -30,8 +31,8 @@ class StartupTimeline:
             yield
         finally:
             seconds = time.perf_counter() - start
-            with self._lock:
-                self.phases[name] = self.phases.get(name, 0.0) + seconds
+            if record:
+                self.add(name, seconds)
             logger.info("start-up phase %s took %.2f s", name, seconds)
 
     def add(self, name: str, seconds: float) -> None:

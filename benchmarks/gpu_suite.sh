@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Every GPU-side check and benchmark in one device call; results land in $OUT.
+#   bash benchmarks/gpu_suite.sh            (on the GPU machine, from the repository root)
+# Then copy $OUT/*.json into benchmarks/results/ and commit them.
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-/tmp/kiln-gpu}
+mkdir -p "$OUT"
+log="$OUT/gpu_suite.log"
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$log"
+status=0
+run() {
+    echo "=== $*" | tee -a "$log"
+    local start=$SECONDS
+    "$@" 2>&1 | tee -a "$log" | grep --line-buffered -vE "INFO|it/s\]|piece/s"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    echo "=== took $((SECONDS - start)) s" | tee -a "$log"
+}
+run python benchmarks/gpu_kernels.py "$OUT"
+run python benchmarks/engine_throughput.py --device cuda --model llama-3-8b --out "$OUT"
+exit $status

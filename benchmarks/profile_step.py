@@ -1,0 +1,108 @@
+"""Where a decode step's time goes, eager beside compiled (a benchmark, not a test).
+
+    python benchmarks/profile_step.py --model llama-3-8b --device cuda --out $OUT
+
+For each mode: host wall time per decode step, device kernel time and kernel launches per
+step from a torch.profiler trace, the top kernels, and prefill time for one full batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kiln import LLM, SamplingParams
+from kiln.config import CompilationConfig
+
+MODES = {"eager -O0": dict(level=0), "compiled -O2": dict(level=2),
+         "compiled -O2, no size asserts": dict(level=2, size_asserts=False)}
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_mode(model, device, dtype, batch, context, level, size_asserts=True) -> dict:
+    import torch._inductor.config as inductor_config
+
+    inductor_config.size_asserts = size_asserts
+    torch._dynamo.reset()
+    llm = LLM(model, device=device, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=2048,
+              max_model_len=context + 64, num_kv_blocks=2048, compilation=CompilationConfig.level(level))
+    engine = llm.engine
+    vocab = engine.source.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(), params)
+    sync(device)
+    start = time.perf_counter()
+    steps = 0
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):
+        engine.step()
+        steps += 1
+    sync(device)
+    prefill_s = time.perf_counter() - start
+    for _ in range(10):  # decode warm-up
+        engine.step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        engine.step()
+    sync(device)
+    step_ms = (time.perf_counter() - start) / 10 * 1e3
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            engine.step()
+        sync(device)
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_us = sum(e.self_device_time_total for e in events) / 5
+    launches = sum(e.count for e in events) / 5
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
+    del llm, engine
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"prefill_tokens": batch * context, "prefill_steps": steps, "prefill_s": prefill_s,
+            "decode_step_ms": step_ms, "device_kernel_ms_per_step": kernel_us / 1e3,
+            "kernels_per_step": launches,
+            "top_kernels": [{"name": e.key[:90], "ms_per_step": e.self_device_time_total / 5e3,
+                             "count_per_step": e.count / 5} for e in top]}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    a = p.parse_args()
+    dtype = "bfloat16" if a.device == "cuda" else "float32"
+    result = {"model": a.model, "device": a.device, "batch": a.batch, "context": a.context,
+              "torch": torch.__version__, "modes": {}}
+    for name, kw in MODES.items():
+        r = run_mode(a.model, a.device, dtype, a.batch, a.context, **kw)
+        result["modes"][name] = r
+        print(f"{name}: prefill {r['prefill_tokens']} tokens in {r['prefill_s'] * 1e3:.0f} ms; decode step "
+              f"{r['decode_step_ms']:.2f} ms wall, {r['device_kernel_ms_per_step']:.2f} ms of kernels, "
+              f"{r['kernels_per_step']:.0f} launches", flush=True)
+        for k in r["top_kernels"]:
+            print(f"    {k['ms_per_step']:7.3f} ms  x{k['count_per_step']:5.0f}  {k['name']}")
+    out = Path(a.out) / f"profile_step_{a.model}_{a.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
