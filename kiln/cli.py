@@ -73,6 +73,16 @@ def cmd_serve(args) -> int:
                  args.access_log, timeline)
 
 
+def cmd_traffic(args) -> int:
+    from kiln.loader import load_source
+    from kiln.tools.traffic import render, traffic
+
+    cfg = load_source(args.model).config
+    report = traffic(cfg, {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype])
+    print(render(args.model, report, args.tokens, args.bandwidth, args.share))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from kiln.config import parse_compilation_args
 
@@ -106,6 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     explicit = rest != (sys.argv[1:] if argv is None else argv)
+    traf = sub.add_parser("traffic", help="logical-bytes model of fused add+RMSNorm vs its decomposition")
+    traf.add_argument("--model", default="llama-3-8b", help="a preset, .gguf or HF folder (only its shape is read)")
+    traf.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    traf.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
+    traf.add_argument("--bandwidth", type=float, default=3.35, help="memory bandwidth in TB/s for the floor")
+    traf.add_argument("--share", type=float, nargs="+", default=[0.1, 0.25],
+                      help="report the token count where extra elementwise bytes reach this share of weight bytes")
+    traf.set_defaults(func=cmd_traffic)
     args = parser.parse_args(rest)
     args.compilation = compilation if explicit else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
