@@ -83,6 +83,58 @@ def cmd_traffic(args) -> int:
     return 0
 
 
+def cmd_bisect(args) -> int:
+    import json
+
+    from kiln.tools.bisect import bisect_model, render, to_json
+
+    report = bisect_model(args.model, args.prompt, device=args.device, dtype=args.dtype,
+                          custom_ops=args.custom_ops, tolerance=args.tolerance, new_tokens=args.tokens,
+                          stages=args.stages)
+    print(render(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(to_json(report), f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from kiln.tools.bench import Workload, plot, render, run_bench
+
+    device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    workload = Workload.default(device, args.model, batches=args.batches, context=args.context, modes=args.modes,
+                                timed_steps=args.steps, dtype=args.dtype)
+    result = run_bench(workload)
+    print(render(result))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"bench_{Path(workload.model).name}_{device}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {stem.with_suffix('.json')}")
+    if not args.no_plot:
+        plot(result, str(stem.with_suffix(".png")))
+        print(f"wrote {stem.with_suffix('.png')}")
+    return 0
+
+
+def cmd_prewarm(args) -> int:
+    from kiln.tools.prewarm import main as prewarm
+
+    return prewarm(args)
+
+
+def cmd_cache(args) -> int:
+    from kiln.tools.cache_cli import main as cache
+
+    return cache(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     from kiln.config import parse_compilation_args
 
@@ -124,8 +176,50 @@ def main(argv: list[str] | None = None) -> int:
     traf.add_argument("--share", type=float, nargs="+", default=[0.1, 0.25],
                       help="report the token count where extra elementwise bytes reach this share of weight bytes")
     traf.set_defaults(func=cmd_traffic)
+    bis = sub.add_parser("bisect", help="first piece and op where Dynamo, AOT-eager or Inductor parts from eager")
+    bis.add_argument("--model", default=None, help="'smollm2' (default), a .gguf file, an HF folder, or a preset")
+    bis.add_argument("--prompt", default="The capital of France is", help="plain text, no chat template")
+    bis.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    bis.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
+    bis.add_argument("--tokens", type=int, default=16, help="greedy tokens compared per stage")
+    bis.add_argument("--tolerance", type=float, default=None,
+                     help="relative error |a-b|/|b| allowed (default: fp32 1e-4, bf16 2e-2, fp16 5e-3)")
+    bis.add_argument("--custom-ops", default="none", help="op paths the model is built with (default: native)")
+    bis.add_argument("--stages", nargs="+", default=None, help="backends to check: aot_eager inductor (dynamo+eager always runs)")
+    bis.add_argument("--json", default=None, help="also write the report as JSON here")
+    bis.set_defaults(func=cmd_bisect)
+    bench = sub.add_parser("bench", help="decode step time: eager, stock torch.compile and kiln modes side by side")
+    bench.add_argument("--model", default=None, help="default: smollm2 on CPU, llama-3-8b (random bf16) on CUDA")
+    bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    bench.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    bench.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 8 32 (CPU), 1 8 64 256 (CUDA)")
+    bench.add_argument("--context", type=int, default=None, help="prompt tokens per sequence (default 128)")
+    bench.add_argument("--steps", type=int, default=None, help="timed decode steps per batch size")
+    bench.add_argument("--modes", nargs="+", default=None, help="of eager stock once O2 O3 (default: all)")
+    bench.add_argument("--out", default=".", help="folder for bench_<model>_<device>.json and .png")
+    bench.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    bench.set_defaults(func=cmd_bench)
+    warm = sub.add_parser("prewarm", help="compile everything a server needs into the compile cache; "
+                                          "print what the entry covers")
+    warm.add_argument("--manifest", default=None,
+                      help="JSON with compile_ranges, compile_sizes, cudagraph_capture_sizes (each optional)")
+    _engine_args(warm)
+    warm.set_defaults(func=cmd_prewarm)
+    cache = sub.add_parser("cache", help="list, verify, clear or compare compile-cache entries (KILN_CACHE_ROOT)")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    cache_sub.add_parser("ls", help="every entry: model, device, size, age, complete or not, shapes")
+    check = cache_sub.add_parser("verify", help="check every file of the entries against its checksum")
+    check.add_argument("keys", nargs="*", help="entry keys or unique prefixes (default: all)")
+    drop = cache_sub.add_parser("clear", help="remove entries")
+    drop.add_argument("keys", nargs="*", help="entry keys or unique prefixes")
+    drop.add_argument("--all", action="store_true", help="remove every entry")
+    compare = cache_sub.add_parser("diff", help="why two entries' keys differ, factor by factor")
+    compare.add_argument("a")
+    compare.add_argument("b")
+    cache.set_defaults(func=cmd_cache)
     args = parser.parse_args(rest)
     args.compilation = compilation if explicit else None
+    args.compilation_config = compilation  # the -O2 preset when no flag was given
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     try:

@@ -7,6 +7,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # One Inductor cache per test session: compiled-model tests share artifacts with each other,
 # never with an earlier session (whose cache would hide compile failures).
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln-test-inductor-")
+# Likewise kiln's compile cache: engines built by tests start cold, and write nothing to ~/.cache.
+os.environ["KILN_CACHE_ROOT"] = tempfile.mkdtemp(prefix="kiln-test-cache-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

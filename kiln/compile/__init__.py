@@ -1,6 +1,7 @@
 """kiln's compile pipeline: capture once, split at opaque ops, compile pieces per token shape.
 
-    compiled = compile_model(model, CompilationConfig(), max_num_batched_tokens=2048)
+    compiled = compile_model(model, CompilationConfig(), max_num_batched_tokens=2048,
+                             cache=CompileCache.from_env({"arch": ...}))  # optional: keep artifacts
     compiled.warm_up(lambda n: (input_ids[:n], positions[:n]))  # optional: compile before serving
     hidden = compiled(input_ids, positions)
 
@@ -15,6 +16,7 @@ import importlib
 # Names are resolved on first use: kiln.ops imports kiln.compile.split to declare split
 # points, and importing all of Dynamo for that would add a second to every start.
 _EXPORTS = {
+    "CompileCache": "kiln.compile.cache",
     "CompiledModel": "kiln.compile.compiled_model",
     "compile_model": "kiln.compile.compiled_model",
     "CaptureError": "kiln.compile.capture",

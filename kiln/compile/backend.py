@@ -2,81 +2,156 @@
 
 Graph passes will run first, on the whole graph (there are none yet). Then it splits the
 graph at the split ops, runs the split graph once over fake tensors to learn
-every piece's inputs (shapes in terms of the token symbol), compiles the unique pieces, and
+every piece's inputs (shapes in terms of the token count), compiles the unique pieces, and
 returns the split graph with each piece replaced by a runner that dispatches on the token
 count. The opaque regions stay as captured and run eagerly between the pieces.
+
+What it builds is a SplitProgram: it pickles, so the compile cache keeps it and a warm
+start rebuilds the same runnable graph from disk without Dynamo.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import fx
+from torch import fx, nn
 
+from kiln.compile.cache_key import traced_sources
 from kiln.compile.capture import token_symbols
+from kiln.compile.dispatch import CallSpec
 from kiln.compile.monitor import CompileMonitor, logger
-from kiln.compile.pieces import PieceRunner, PieceSet, ShapePlan, UniquePiece, structural_hash, token_locator
+from kiln.compile.pieces import (PieceInput, PieceRunner, PieceSet, ShapePlan, TokenShape, UniquePiece,
+                                 structural_hash, token_locator)
 from kiln.compile.split import split_graph
 
 if TYPE_CHECKING:  # kiln.config imports kiln.ops, whose attention imports kiln.compile
+    from kiln.compile.cache import ModelCache
     from kiln.config import CompilationConfig
+
+
+@dataclass
+class SplitProgram:
+    """The split graph and its unique pieces. Piece slots hold empty modules; `runnable`
+    puts a PieceRunner in each."""
+
+    graph: fx.GraphModule  # calls submod_<i> in order: pieces and opaque regions
+    slots: dict[str, tuple[int, int, int | None]]  # piece -> (unique index, token arg, token dim)
+    uniques: list[UniquePiece]
+    regions: list[str]
+    traced_tokens: int  # the capture call's token count: the size hint for ranges
+    call: CallSpec | None = None  # how to call the graph without Dynamo, once known
+
+    def summary(self) -> dict:
+        return {"pieces": len(self.slots), "unique_pieces": len(self.uniques),
+                "opaque_regions": len(self.regions), "direct_call": self.call is not None}
+
+    def readable(self) -> str:
+        """The split graph, then each unique piece, as Python."""
+        parts = [self.graph.print_readable(print_output=False)]
+        for i, piece in enumerate(self.uniques):
+            users = [name for name, slot in self.slots.items() if slot[0] == i]
+            parts.append(f"# unique piece {i}: {', '.join(users)}\n" + piece.graph.print_readable(print_output=False))
+        return "\n\n".join(parts)
+
+
+def runnable(program: SplitProgram, pieces: PieceSet) -> fx.GraphModule:
+    """A copy of the split graph whose piece slots run `pieces`."""
+    module = fx.GraphModule(program.graph, program.graph.graph, class_name="SplitGraph")
+    for name, slot in program.slots.items():
+        # The split graph calls self.<name>(...): a plain attribute answers it.
+        del module._modules[name]
+        module.__dict__[name] = PieceRunner(pieces, *slot)
+    return module
+
+
+def compile_ahead(pieces: PieceSet, plan: ShapePlan, strategy: str, first: TokenShape | None) -> None:
+    """What must be ready before serving: every shape (eager strategy), or the first call's."""
+    if strategy == "eager":
+        for shape in plan.all_shapes():
+            if shape not in pieces.by_shape:
+                pieces.compile(shape)
+        pieces.frozen = True
+    elif first is not None:
+        pieces.compile(first)
+    pieces.captured = True
+
+
+class OutputRecorder:
+    """Stands between Dynamo's bytecode and the split graph: keeps the capture call's graph
+    outputs, to match them against the forward's return value (see dispatch)."""
+
+    def __init__(self, module: fx.GraphModule):
+        self.module, self.outputs = module, None
+
+    def __call__(self, *args):
+        out = self.module(*args)
+        if self.outputs is None:
+            self.outputs = out
+        return out
 
 
 class PiecewiseBackend:
     def __init__(self, config: CompilationConfig, split_names: set[str], max_tokens: int,
-                 monitor: CompileMonitor):
-        self.config, self.split_names, self.monitor = config, split_names, monitor
+                 monitor: CompileMonitor, cache: ModelCache | None = None):
+        self.config, self.split_names, self.monitor, self.cache = config, split_names, monitor, cache
         self.plan = ShapePlan(config.compile_ranges, config.compile_sizes, max_tokens)
+        self.program: SplitProgram | None = None
         self.pieces: PieceSet | None = None
+        self.capture_inputs: tuple[fx.GraphModule, list] | None = None  # for the CallSpec
+        self.recorder: OutputRecorder | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         fake_mode = torch._guards.TracingContext.get().fake_mode
         fakes = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
         tokens = token_symbols(fakes, fake_mode.shape_env)
         split = split_graph(gm, self.split_names)
-        templates = piece_inputs(split.module, split.pieces, fakes, fake_mode)
-        uniques, unique_index = dedup(split.module, split.pieces, templates, tokens)
-        self.pieces = PieceSet(uniques, tokens, traced_count(fakes, example_inputs, tokens), self.plan,
-                               self.config.piece_compiler, self.monitor)
+        recorded = piece_inputs(split.module, split.pieces, fakes, fake_mode)
+        inputs = {name: [PieceInput.of(x, tokens) for x in recorded[name]] for name in split.pieces}
+        uniques, unique_index = dedup(split.module, split.pieces, inputs)
+        slots = {}
         for name in split.pieces:
-            where = token_locator(templates[name], tokens)
+            where = token_locator(inputs[name])
             if where is None:
                 raise NotImplementedError(f"piece {name} does not depend on the token count; "
                                           f"kiln does not compile such pieces yet")
-            # The split graph calls self.<name>(...): a plain attribute now answers it.
-            del split.module._modules[name]
-            split.module.__dict__[name] = PieceRunner(self.pieces, unique_index[name], *where)
+            slots[name] = (unique_index[name], *where)
+        graph = fx.GraphModule({name: nn.Module() if name in slots else getattr(split.module, name)
+                                for name in split.pieces + split.regions}, split.module.graph, class_name="SplitGraph")
+        traced = traced_count(fakes, example_inputs, tokens)
+        self.program = SplitProgram(graph, slots, uniques, split.regions, traced)
+        store = self.cache.entry_for(traced_files(gm)) if self.cache is not None else None
+        self.start(self.program, store)
+        compile_ahead(self.pieces, self.plan, self.config.strategy, self.plan.shape_for(traced))
+        self.capture_inputs = (gm, list(example_inputs))
+        self.recorder = OutputRecorder(runnable(self.program, self.pieces))
+        return self.recorder
+
+    def start(self, program: SplitProgram, store=None) -> None:
+        """The pieces of `program`, artifacts from `store` where it has them."""
+        self.program = program
+        self.pieces = PieceSet(program.uniques, program.traced_tokens, self.plan, self.config.piece_compiler,
+                               self.monitor, store)
         c = self.monitor.counters
-        c.pieces, c.unique_pieces, c.opaque_regions = len(split.pieces), len(uniques), len(split.regions)
+        c.pieces, c.unique_pieces, c.opaque_regions = len(program.slots), len(program.uniques), len(program.regions)
         logger.info("split the graph into %d pieces (%d unique) around %d opaque regions",
                     c.pieces, c.unique_pieces, c.opaque_regions)
-        self._compile_at_capture()
-        return split.module
-
-    def _compile_at_capture(self) -> None:
-        pieces = self.pieces
-        if self.config.strategy == "eager":
-            for shape in self.plan.all_shapes():
-                pieces.compile(shape)
-            pieces.frozen = True
-        else:
-            pieces.compile(self.plan.shape_for(pieces.traced_tokens))
-        pieces.captured = True
 
 
-def dedup(module: fx.GraphModule, names: list[str], templates: dict[str, list],
-          tokens) -> tuple[list[UniquePiece], dict[str, int]]:
+def dedup(module: fx.GraphModule, names: list[str],
+          inputs: dict[str, list[PieceInput]]) -> tuple[list[UniquePiece], dict[str, int]]:
     """The structurally unique pieces, and each piece's index among them."""
     uniques: list[UniquePiece] = []
     by_hash: dict[str, int] = {}
     index: dict[str, int] = {}
     for name in names:
         graph = getattr(module, name)
-        key = structural_hash(graph, templates[name], tokens)
+        key = structural_hash(graph, inputs[name])
         if key not in by_hash:
             by_hash[key] = len(uniques)
-            uniques.append(UniquePiece(name, graph, templates[name]))
+            uniques.append(UniquePiece(name, graph, inputs[name]))
         index[name] = by_hash[key]
     return uniques, index
 
@@ -105,3 +180,12 @@ def traced_count(fakes: list, example_inputs: list, tokens) -> int:
                 if isinstance(size, torch.SymInt) and size.node.expr in tokens:
                     return real.shape[d]
     raise RuntimeError("no graph input has the token dim")
+
+
+def traced_files(gm: fx.GraphModule) -> list[str]:
+    """The source files Dynamo traced for this graph: the code factor of the cache key."""
+    codes = getattr(torch._guards.TracingContext.get(), "traced_code", None) or []
+    files = {code.co_filename for code in codes}
+    for node in gm.graph.nodes:  # the stack traces name them too, on any torch version
+        files.update(re.findall(r'File "([^"]+)"', node.meta.get("stack_trace") or ""))
+    return traced_sources(files)

@@ -4,7 +4,8 @@ The model opts in with `@compile_dynamic(dynamic_arg_dims={...})`. On the first 
 marked dims become dynamic and Dynamo traces the whole forward (fullgraph: a graph break
 is an error). Dynamo's guards are dropped: they would re-check, on every call, facts kiln
 already promises (same module, same dtypes), and cost host time on every decode step.
-So later calls run the bytecode Dynamo produced directly, without frame evaluation.
+So later calls run the bytecode Dynamo produced directly, without frame evaluation (the
+piecewise mode goes further and calls the split graph itself: see dispatch).
 
 The price of dropping guards is that Dynamo can no longer notice when a call breaks an
 assumption it traced under. The one assumption that varies in serving is the token
@@ -28,7 +29,6 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from kiln.compile.monitor import CompileMonitor, logger
-
 
 
 class CaptureError(RuntimeError):

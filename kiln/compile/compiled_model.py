@@ -1,15 +1,26 @@
-"""A model's forward behind the configured compile mode: eager, stock, once, or piecewise."""
+"""A model's forward behind the configured compile mode: eager, stock, once, or piecewise.
+
+In piecewise mode (3) the first call either starts warm from the compile cache (the split
+graph and every piece artifact loaded from disk: no Dynamo, no Inductor) or captures with
+Dynamo and compiles, filling the cache. Either way later calls go straight to the split
+graph through a GraphCall (see dispatch), not through Dynamo's bytecode.
+"""
 
 from __future__ import annotations
 
+import inspect
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from kiln.compile.backend import PiecewiseBackend
+from kiln.compile.backend import PiecewiseBackend, compile_ahead, runnable
+from kiln.compile.cache import CompileCache, ModelCache
+from kiln.compile.cache_key import compiler_factor, digest, env_factor, source_name
 from kiln.compile.capture import Capture, checked_backend
+from kiln.compile.dispatch import GraphCall, call_spec
 from kiln.compile.monitor import CompileMonitor, logger
 from kiln.compile.opt_in import dynamic_arg_dims
 from kiln.compile.split import SplitOp, check_split_ops, effective_split_ops
@@ -23,19 +34,24 @@ _MODE_NAMES = {0: "eager", 1: "stock torch.compile", 2: "Dynamo once + backend",
 class CompiledModel:
     """A model's forward behind the configured compile mode."""
 
-    def __init__(self, model: nn.Module, config: CompilationConfig, max_num_batched_tokens: int):
+    def __init__(self, model: nn.Module, config: CompilationConfig, max_num_batched_tokens: int,
+                 cache: CompileCache | None = None):
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.model, self.config, self.max_num_batched_tokens = model, config, max_num_batched_tokens
         self.monitor = CompileMonitor()
         self.split_ops: list[SplitOp] = effective_split_ops(config.splitting_ops)
         check_split_ops(self.split_ops)
-        dims = dynamic_arg_dims(model)
-        self.mode = config.mode if dims is not None else 0
-        if dims is None and config.mode != 0:
+        self.dims = dynamic_arg_dims(model)
+        self.mode = config.mode if self.dims is not None else 0
+        if self.dims is None and config.mode != 0:
             logger.warning("%s is not decorated with @compile_dynamic: it runs eagerly", type(model).__name__)
+        # debug_guards runs every call through Dynamo on purpose: nothing to start warm.
+        self.cache = cache if self.mode == 3 and not config.debug_guards else None
+        self.model_cache: ModelCache | None = None
         self.backend: PiecewiseBackend | None = None
-        self.capture: Capture | None = None if self.mode == 0 else self._capture(dims)
+        self.dispatch: GraphCall | None = None  # mode 3, once captured or loaded
+        self.capture: Capture | None = None if self.mode == 0 else self._capture(self.dims)
         logger.info("model forward: %s", self.describe())
 
     def _capture(self, dims: dict[str, int]) -> Capture:
@@ -53,12 +69,94 @@ class CompiledModel:
                        monitor=self.monitor)
 
     def __call__(self, *args, **kwargs):
+        if self.dispatch is not None:
+            return self.dispatch(*args, **kwargs)
         if self.capture is None:
             return self.model(*args, **kwargs)
-        return self.capture(*args, **kwargs)
+        if self.backend is None or self.capture.captured or self.config.debug_guards:
+            return self.capture(*args, **kwargs)
+        if self._warm_start():
+            return self.dispatch(*args, **kwargs)
+        out = self.capture(*args, **kwargs)
+        if self.capture.captured:
+            self._captured(args, kwargs, out)
+        return out
+
+    def _warm_start(self) -> bool:
+        """Load the split graph and its pieces from the compile cache, if an entry has them.
+        Runs once; False sends the first call through Dynamo (which still loads pieces)."""
+        if self.cache is None or self.model_cache is not None:
+            return self.dispatch is not None
+        start = time.perf_counter()
+        self.model_cache = self._model_cache()
+        self.backend.cache = self.model_cache
+        entry = self.model_cache.warm_entry()
+        if entry is None:
+            logger.info("compile cache: no entry for %s yet under %s; capturing and compiling",
+                        type(self.model).__name__, self.cache.root.path)
+            return False
+        with entry.lock():
+            program = entry.load_program()
+            if program is None or program.call is None:
+                logger.info("compile cache: entry %s has no replayable graph; capturing with Dynamo", entry.key)
+                return False
+            entry.warm = True
+            self.backend.start(program, entry)
+            pieces, plan = self.backend.pieces, self.backend.plan
+            for shape in plan.all_shapes():
+                if entry.has_shape(shape):
+                    pieces.compile(shape)  # loads it
+            compile_ahead(pieces, plan, self.config.strategy, first=None)
+        self.dispatch = GraphCall(runnable(program, pieces), program.call, self.model, self.capture.signature)
+        self.monitor.warm_start_done(entry.key, time.perf_counter() - start)
+        return True
+
+    def _captured(self, args: tuple, kwargs: dict, out) -> None:
+        """After Dynamo's capture: make the direct call, and keep the program in the cache."""
+        backend, signature = self.backend, self.capture.signature
+        gm, example_inputs = backend.capture_inputs
+        arguments = signature.bind(self.model, *args, **kwargs).arguments
+        spec = call_spec(gm, example_inputs, self.model, signature, arguments, out, backend.recorder.outputs)
+        backend.capture_inputs, backend.recorder.outputs = None, ()  # hold no tensors of the first call
+        backend.program.call = spec
+        if spec is not None:
+            self.dispatch = GraphCall(backend.recorder.module, spec, self.model, signature)
+        entry = self.model_cache.entry if self.model_cache is not None else None
+        if entry is not None:
+            entry.save_program(backend.program, backend.program.readable())
+
+    def _model_cache(self) -> ModelCache:
+        first = next(iter(self.model.parameters()), None)
+        device = first.device if first is not None else torch.device("cpu")
+        factors = {"env": env_factor(), "config": self._config_factor(device), "compiler": compiler_factor(device)}
+        plan = self.backend.plan
+        info = {"model": self.cache.name or type(self.model).__name__, "device": str(device),
+                "dtype": str(first.dtype).removeprefix("torch.") if first is not None else None,
+                "torch": torch.__version__, "triton": factors["compiler"]["triton"],
+                "piece_compiler": self.config.piece_compiler, "capture_sizes": [],
+                "plan": {"ranges": [[s.lo, s.hi] for s in plan.ranges], "sizes": sorted(plan.sizes)}}
+        forward_file = source_name(inspect.getsourcefile(type(self.model).forward))
+        return ModelCache(self.cache, factors, info, forward_file)
+
+    def _config_factor(self, device: torch.device) -> dict:
+        """Everything that changes the compiled code, as far as kiln.compile can see it, plus
+        what the caller said (architecture, dtype, custom ops). The compile ranges and sizes
+        are not in it: an entry keeps an artifact per shape, and any plan takes what it needs."""
+        c, model = self.config, self.model
+        tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        return {"mode": c.mode, "piece_compiler": c.piece_compiler, "dynamic_shapes_mark": c.dynamic_shapes_mark,
+                "split_ops": sorted(op.name for op in self.split_ops),
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+                "dynamic_arg_dims": self.dims, "device_type": device.type,
+                "grad_enabled": torch.is_grad_enabled(),  # an inference artifact differs from a training one
+                "tensors": {"count": len(tensors), "digest": digest(
+                    [(n, list(t.shape), str(t.dtype), t.device.type) for n, t in tensors])},
+                "model": self.cache.model}
 
     def warm_up(self, make_inputs: Callable[[int], tuple]) -> None:
-        """Run the forward once per compile range and size, so nothing compiles while serving.
+        """Make the forward ready for every compile range and size, so nothing compiles while
+        serving: start warm from the cache if it can, then run what is still missing.
 
         The first call, with the most tokens, is the capture (and, with the eager strategy,
         compiles every range and size).
@@ -67,10 +165,22 @@ class CompiledModel:
             return
         counts = [self.max_num_batched_tokens]
         if self.backend is not None:
-            plan = self.backend.plan
-            counts += [shape.hi for shape in plan.ranges] + sorted(plan.sizes)
+            self._warm_start()
+            counts += [shape.hi for shape in self.backend.plan.ranges] + sorted(self.backend.plan.sizes)
         for n in dict.fromkeys(counts):
-            self(*make_inputs(n))
+            if not self._ready_for(n):
+                self(*make_inputs(n))
+
+    def _ready_for(self, num_tokens: int) -> bool:
+        if self.dispatch is None:
+            return False
+        pieces = self.backend.pieces
+        return pieces.compiler == "eager" or self.backend.plan.shape_for(num_tokens) in pieces.by_shape
+
+    @property
+    def entry(self):
+        """The compile-cache entry this model uses, once its first call chose one."""
+        return self.model_cache.entry if self.model_cache is not None else None
 
     @property
     def stats(self) -> dict:
@@ -95,5 +205,8 @@ class CompiledModel:
         return text
 
 
-def compile_model(model: nn.Module, config: CompilationConfig, max_num_batched_tokens: int) -> CompiledModel:
-    return CompiledModel(model, config, max_num_batched_tokens)
+def compile_model(model: nn.Module, config: CompilationConfig, max_num_batched_tokens: int,
+                  cache: CompileCache | None = None) -> CompiledModel:
+    """`cache`: keep and reuse compiled artifacts there (CompileCache.from_env); None: compile
+    in memory only."""
+    return CompiledModel(model, config, max_num_batched_tokens, cache)

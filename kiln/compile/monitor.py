@@ -4,6 +4,8 @@ Users grep for these lines, so their wording is fixed:
     Dynamo bytecode transform time: X s
     Compiling a graph for range [a, b] took X s     (or "for size n")
     torch.compile took X s in total
+    Loaded the compiled forward from compile cache entry KEY in X s
+    compile cache miss: range [a, b] of MODEL is not in cache entry KEY; ...   (a WARNING)
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ class CompileCounters:
     unique_pieces: int = 0  # distinct pieces by structural hash (each compiled once per shape)
     opaque_regions: int = 0  # runs of split ops, executed as captured
     inductor_compiles: int = 0  # piece compiler invocations, one per unique piece and range/size
-    cache_hits: int = 0  # of those, served from Inductor's FX-graph cache
+    cache_hits: int = 0  # pieces loaded from kiln's compile cache, or served from Inductor's FX-graph cache
+    cache_misses: int = 0  # piece compiles neither cache could serve: Inductor ran for real
+    pieces_loaded: int = 0  # piece artifacts loaded from kiln's compile cache
     compiles_after_capture: int = 0  # lazy specialisations after the first call
 
 
@@ -35,7 +39,8 @@ class CompileTimes:
     dynamo_s: float = 0.0  # bytecode analysis and graph capture
     backend_s: float = 0.0  # splitting, fake propagation and compiling inside the backend
     compile_s: float = 0.0  # piece compiler time (Inductor), at capture and later
-    total_s: float = 0.0  # the first call, end to end
+    load_s: float = 0.0  # reading the compile cache: the split graph and piece artifacts
+    total_s: float = 0.0  # the first call (capture, or a warm start from the cache), end to end
 
 
 @dataclass
@@ -68,10 +73,25 @@ class CompileMonitor:
         yield
         seconds = time.perf_counter() - start
         self.times.compile_s += seconds
+        hit = min(torch_counters["inductor"]["fxgraph_cache_hit"] - hits, 1)
         self.counters.inductor_compiles += 1
-        self.counters.cache_hits += torch_counters["inductor"]["fxgraph_cache_hit"] - hits
+        self.counters.cache_hits += hit
+        self.counters.cache_misses += 1 - hit
         self.counters.compiles_after_capture += after_capture
         logger.debug("compiled %s in %.2f s", label, seconds)
+
+    def pieces_loaded(self, count: int, seconds: float) -> None:
+        self.counters.pieces_loaded += count
+        self.counters.cache_hits += count
+        if count:
+            self.times.load_s += seconds
+
+    def warm_start_done(self, key: str, seconds: float) -> None:
+        self.times.total_s = seconds
+        self.times.load_s = max(seconds - self.times.compile_s, 0.0)
+        logger.info("Loaded the compiled forward from compile cache entry %s in %.2f s (%d artifacts; "
+                    "no Dynamo, %d Inductor compiles)", key, seconds, self.counters.pieces_loaded,
+                    self.counters.inductor_compiles)
 
     def shape_compiled(self, label: str, seconds: float) -> None:
         logger.info("Compiling a graph for %s took %.2f s", label, seconds)

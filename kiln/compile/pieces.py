@@ -11,6 +11,7 @@ every weight is an input of the piece, so one compiled function serves them all.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-from kiln.compile.monitor import CompileMonitor
+from kiln.compile.monitor import CompileMonitor, logger
 
 
 @dataclass(frozen=True)
@@ -62,13 +63,47 @@ class ShapePlan:
         return self.ranges + list(self.sizes.values())
 
 
-def structural_hash(gm: fx.GraphModule, inputs: list, tokens: frozenset[sympy.Symbol]) -> str:
+TOKENS = sympy.Symbol("T", integer=True, positive=True)  # the token count in a PieceInput
+
+
+@dataclass(frozen=True)
+class PieceInput:
+    """One input of a piece, with sizes in terms of the token count T: what the piece is
+    compiled for. It pickles, so a cache entry can compile a piece again without Dynamo."""
+
+    kind: str  # "tensor", "symint" (the token count itself, or an expression of it) or "value"
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
+    sizes: tuple[sympy.Expr, ...] = ()  # for "symint": one expression
+    strides: tuple[sympy.Expr, ...] = ()
+    value: object = None  # for "value": a constant the graph passes along
+
+    @classmethod
+    def of(cls, x, tokens: frozenset[sympy.Symbol]) -> "PieceInput":
+        def exprs(seq):
+            return tuple(_expr(d).xreplace(dict.fromkeys(tokens, TOKENS)) for d in seq)
+
+        if isinstance(x, torch.Tensor):
+            return cls("tensor", x.dtype, x.device, exprs(x.shape), exprs(x.stride()))
+        if isinstance(x, torch.SymInt):
+            return cls("symint", sizes=exprs([x]))
+        return cls("value", value=x)
+
+    def __str__(self) -> str:
+        if self.kind == "tensor":
+            return f"tensor {self.dtype} {self.device} {list(self.sizes)} {list(self.strides)}"
+        if self.kind == "symint":
+            return f"symint {list(self.sizes)}"
+        return f"{type(self.value).__name__} {self.value!r}"
+
+
+def structural_hash(gm: fx.GraphModule, inputs: list[PieceInput]) -> str:
     """Equal for pieces that compute the same thing from inputs of the same shapes."""
     names: dict[fx.Node, str] = {}
     lines, placeholders = [], iter(inputs)
     for i, node in enumerate(gm.graph.nodes):
         names[node] = f"v{i}"
-        what = _describe(next(placeholders), tokens) if node.op == "placeholder" else ""
+        what = str(next(placeholders)) if node.op == "placeholder" else ""
         target = node.target
         if node.op == "placeholder":
             target = ""  # its name is the parameter's, which differs from layer to layer
@@ -81,25 +116,13 @@ def structural_hash(gm: fx.GraphModule, inputs: list, tokens: frozenset[sympy.Sy
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
-def _describe(value, tokens: frozenset[sympy.Symbol]) -> str:
-    def dims(seq):
-        return [str(_expr(d).xreplace(dict.fromkeys(tokens, sympy.Symbol("T")))) for d in seq]
-
-    if isinstance(value, torch.Tensor):
-        return f"tensor {value.dtype} {value.device} {dims(value.shape)} {dims(value.stride())}"
-    if isinstance(value, torch.SymInt):
-        return f"symint {dims([value])}"
-    return f"{type(value).__name__} {value!r}"
-
-
 def _expr(value) -> sympy.Expr:
     return value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value)
 
 
-def specialise(template: list, tokens: frozenset[sympy.Symbol], shape: TokenShape,
-               hint: int) -> tuple[FakeTensorMode, list]:
-    """Fake inputs for compiling a piece for `shape`: the token symbol becomes the size, or a
-    fresh symbol bounded to the range, in a shape env of the piece's own."""
+def specialise(inputs: list[PieceInput], shape: TokenShape, hint: int) -> tuple[FakeTensorMode, list]:
+    """Fake inputs for compiling a piece for `shape`: T becomes the size, or a fresh symbol
+    bounded to the range, in a shape env of the piece's own."""
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env)
     if shape.is_size:
@@ -109,46 +132,69 @@ def specialise(template: list, tokens: frozenset[sympy.Symbol], shape: TokenShap
         new = env.create_symbol(hint, ConstantSource("num_tokens"), dynamic_dim=DimDynamic.DYNAMIC)
         env.constrain_symbol_range(new, shape.lo, shape.hi)
 
-    def value(x):
-        expr = _expr(x).xreplace(dict.fromkeys(tokens, new))
+    def value(expr):
+        expr = expr.xreplace({TOKENS: new})
         if expr.is_number:
             return int(expr)
         return env.create_symintnode(expr, hint=int(expr.xreplace({new: hint})))
 
-    inputs = []
+    fakes = []
     with mode:
-        for x in template:
-            if isinstance(x, torch.Tensor):
-                x = torch.empty_strided([value(d) for d in x.shape], [value(d) for d in x.stride()],
-                                        dtype=x.dtype, device=x.device)
-            elif isinstance(x, torch.SymInt):
-                x = value(x)
-            inputs.append(x)
-    return mode, inputs
+        for x in inputs:
+            if x.kind == "tensor":
+                fakes.append(torch.empty_strided([value(d) for d in x.sizes], [value(d) for d in x.strides],
+                                                 dtype=x.dtype, device=x.device))
+            elif x.kind == "symint":
+                fakes.append(value(x.sizes[0]))
+            else:
+                fakes.append(x.value)
+    return mode, fakes
 
 
 def compile_piece(gm: fx.GraphModule, mode: FakeTensorMode, inputs: list) -> Callable:
-    # standalone_compile: its artifact can be saved, which the on-disk cache will need.
+    # standalone_compile: its artifact can be saved to the compile cache and loaded back.
+    restore_example_values(gm, mode, inputs)
     with torch._guards.tracing(torch._guards.TracingContext(mode)):
         return torch._inductor.standalone_compile(gm, inputs, dynamic_shapes="from_tracing_context")
+
+
+def restore_example_values(gm: fx.GraphModule, mode: FakeTensorMode, inputs: list) -> None:
+    """AOTAutograd saves an artifact only for graphs whose nodes carry Dynamo's example
+    values; a piece read back from the compile cache lost them in pickling. Fake propagation
+    puts them back (without them the rebuilt artifact could not be saved)."""
+    if all("example_value" in n.meta for n in gm.graph.nodes if n.op != "output"):
+        return
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, node):
+            value = super().run_node(node)
+            node.meta["example_value"] = value
+            return value
+
+    with mode:
+        Recorder(gm).run(*inputs)
 
 
 @dataclass
 class UniquePiece:
     name: str  # the first submodule with this structure
     graph: fx.GraphModule
-    template: list  # its fake inputs as traced, sizes in terms of the token symbol
+    inputs: list[PieceInput]  # as traced, sizes in terms of the token count T
 
 
 class PieceSet:
-    """The unique pieces of one split graph and their artifacts per token shape."""
+    """The unique pieces of one split graph and their artifacts per token shape.
 
-    def __init__(self, uniques: list[UniquePiece], tokens: frozenset[sympy.Symbol], traced_tokens: int,
-                 plan: ShapePlan, compiler: str, monitor: CompileMonitor):
-        # tokens: the token symbol and its aliases; traced_tokens: the capture call's count,
-        # the size hint Inductor tunes a range for when it holds that count.
-        self.uniques, self.tokens, self.traced_tokens = uniques, tokens, traced_tokens
-        self.plan, self.compiler, self.monitor = plan, compiler, monitor
+    With a `store` (a compile-cache entry) every artifact is looked up there first, and
+    what had to be compiled is written there.
+    """
+
+    def __init__(self, uniques: list[UniquePiece], traced_tokens: int, plan: ShapePlan, compiler: str,
+                 monitor: CompileMonitor, store=None):
+        # traced_tokens: the capture call's count, the size hint Inductor tunes a range for
+        # when it holds that count.
+        self.uniques, self.traced_tokens = uniques, traced_tokens
+        self.plan, self.compiler, self.monitor, self.store = plan, compiler, monitor, store
         self.by_shape: dict[TokenShape, list[Callable]] = {}
         self.by_tokens: dict[int, list[Callable]] = {}
         self.frozen = False  # eager strategy: everything is compiled, serving must not compile
@@ -174,16 +220,46 @@ class PieceSet:
         return table
 
     def _inductor(self, shape: TokenShape) -> list[Callable]:
+        if self.store is None:
+            return self._compile_all(shape, [None] * len(self.uniques))
+        # Held from the look-up to the write: a second process filling the same entry waits
+        # here, then finds the artifacts the first one wrote.
+        with self.store.lock():
+            table = self._load_all(shape)
+            if all(table):
+                return table
+            if self.store.warm:
+                missing = sum(a is None for a in table)
+                logger.warning("compile cache miss: %s of %s is not in cache entry %s; compiling %d "
+                               "piece(s) now (kiln prewarm covers it ahead of time)",
+                               shape, self.store.model_name, self.store.key, missing)
+            table = self._compile_all(shape, table)
+            self.store.shape_done(shape, self.traced_tokens, len(self.uniques))
+            return table
+
+    def _load_all(self, shape: TokenShape) -> list[Callable | None]:
         start = time.perf_counter()
-        table = []
-        with self.monitor.progress(len(self.uniques), f"compiling {shape}") as bar:
-            for piece in self.uniques:
-                mode, inputs = specialise(piece.template, self.tokens, shape, self.traced_tokens)
+        table = [self.store.load_piece(i, shape) for i in range(len(self.uniques))]
+        self.monitor.pieces_loaded(sum(a is not None for a in table), time.perf_counter() - start)
+        return table
+
+    def _compile_all(self, shape: TokenShape, table: list[Callable | None]) -> list[Callable]:
+        start = time.perf_counter()
+        todo = [i for i, artifact in enumerate(table) if artifact is None]
+        with self.monitor.progress(len(todo), f"compiling {shape}") as bar, self._compiler_dirs():
+            for i in todo:
+                piece = self.uniques[i]
+                mode, inputs = specialise(piece.inputs, shape, self.traced_tokens)
                 with self.monitor.piece_compile(f"{piece.name} for {shape}", self.captured):
-                    table.append(compile_piece(piece.graph, mode, inputs))
+                    table[i] = compile_piece(piece.graph, mode, inputs)
+                if self.store is not None:
+                    self.store.save_piece(i, shape, table[i])
                 bar.update()
         self.monitor.shape_compiled(str(shape), time.perf_counter() - start)
         return table
+
+    def _compiler_dirs(self):
+        return self.store.compiler_dirs() if self.store is not None else contextlib.nullcontext()
 
 
 class PieceRunner:
@@ -201,14 +277,14 @@ class PieceRunner:
         return self.pieces.table(count)[self.index](*args)
 
 
-def token_locator(template: list, tokens: frozenset[sympy.Symbol]) -> tuple[int, int | None] | None:
+def token_locator(inputs: list[PieceInput]) -> tuple[int, int | None] | None:
     """Where a piece's inputs carry the token count: a SymInt input, else a tensor dim."""
-    for i, x in enumerate(template):
-        if isinstance(x, torch.SymInt) and _expr(x) in tokens:
+    for i, x in enumerate(inputs):
+        if x.kind == "symint" and x.sizes[0] == TOKENS:
             return i, None
-    for i, x in enumerate(template):
-        if isinstance(x, torch.Tensor):
-            for d, size in enumerate(x.shape):
-                if _expr(size) in tokens:
+    for i, x in enumerate(inputs):
+        if x.kind == "tensor":
+            for d, size in enumerate(x.sizes):
+                if size == TOKENS:
                     return i, d
     return None

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from kiln.compile import CompiledModel, compile_model
-from kiln.config import DEFAULT_FORWARD_REASON, CompilationConfig, EngineConfig
+from kiln.compile.cache import CompileCache
+from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
 from kiln.engine.sampler import sample
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
@@ -30,17 +32,49 @@ class StepInputs:
     sample_seqs: list[Sequence]  # the sequences those rows belong to
 
 
+def compile_cache(source: ModelSource, dtype: torch.dtype, custom_ops: frozenset[str]) -> CompileCache | None:
+    """The compile cache for this model (None when KILN_DISABLE_COMPILE_CACHE is set). What is
+    given here joins the cache key: the architecture, dtype and custom ops, never a path."""
+    arch = {k: v for k, v in dataclasses.asdict(source.config).items() if k not in ("bos_token_id", "eos_token_ids")}
+    return CompileCache.from_env({"architecture": arch, "dtype": str(dtype).removeprefix("torch."),
+                                  "custom_ops": sorted(custom_ops)}, name=source.name)
+
+
+def compile_forward(model: torch.nn.Module, config: EngineConfig, cache: CompileCache | None,
+                    timeline: StartupTimeline) -> CompiledModel:
+    """Capture and compile (or load from the cache) before the first request, so serving
+    never waits on a compile."""
+    compiled = compile_model(model, config.compilation_config, config.max_num_batched_tokens, cache=cache)
+    if config.compilation is None:
+        logger.info("model forward: %s", DEFAULT_FORWARD_REASON)
+    if compiled.mode == 0:
+        return compiled
+    dev = next(model.parameters()).device
+    with timeline.phase("compile", record=False), torch.inference_mode(), set_forward_context(None, {}):
+        # Values do not matter, only token counts; position 0 is valid for any model.
+        compiled.warm_up(lambda n: (torch.zeros(n, dtype=torch.long, device=dev),
+                                    torch.zeros(n, dtype=torch.long, device=dev)))
+    stats = compiled.stats
+    # Only what ran: a warm start records cache_load, a cold one dynamo and inductor.
+    for phase, seconds in (("cache_load", stats["load_s"]), ("dynamo", stats["dynamo_s"]),
+                           ("inductor", stats["compile_s"])):
+        if seconds > 0:
+            timeline.add(phase, seconds)
+    return compiled
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, timeline: StartupTimeline):
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.block_size = config.block_size
-        custom_ops = resolve_custom_ops(config.custom_ops, config.default_custom_ops_base)
+        self.custom_ops = resolve_custom_ops(config.custom_ops, config.default_custom_ops_base)
         with timeline.phase("weights"):
-            self.model = build_model(source.config, self.dtype, self.device, custom_ops,
+            self.model = build_model(source.config, self.dtype, self.device, self.custom_ops,
                                      source.weights() if source.weights else None)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.compiled = self._compile(config.compilation_config, timeline)
+        cache = compile_cache(source, self.dtype, self.custom_ops)
+        self.compiled = compile_forward(self.model, config, cache, timeline)
         with timeline.phase("kv_cache"):
             self.num_blocks = self._num_kv_blocks()
             self.kv_caches = {
@@ -50,23 +84,6 @@ class ModelRunner:
             }
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                     self.num_blocks * self.bytes_per_block / 2**30)
-
-    def _compile(self, compilation: CompilationConfig, timeline: StartupTimeline) -> CompiledModel:
-        """Capture and compile before the first request, so serving never waits on a compile."""
-        compiled = compile_model(self.model, compilation, self.config.max_num_batched_tokens)
-        if self.config.compilation is None:
-            logger.info("model forward: %s", DEFAULT_FORWARD_REASON)
-        if compiled.mode == 0:
-            return compiled
-        dev = self.device
-        with timeline.phase("compile", record=False), torch.inference_mode(), set_forward_context(None, {}):
-            # Values do not matter, only token counts; position 0 is valid for any model.
-            compiled.warm_up(lambda n: (torch.zeros(n, dtype=torch.long, device=dev),
-                                        torch.zeros(n, dtype=torch.long, device=dev)))
-        stats = compiled.stats
-        timeline.add("dynamo", stats["dynamo_s"])
-        timeline.add("inductor", stats["compile_s"])
-        return compiled
 
     @property
     def bytes_per_block(self) -> int:

@@ -87,7 +87,7 @@ def _compile_cache_counters(engine) -> tuple[int, int]:
     for value in vars(engine.runner).values():
         counters = getattr(getattr(value, "monitor", None), "counters", None)
         if counters is not None and hasattr(counters, "cache_hits"):
-            return counters.cache_hits, counters.inductor_compiles - counters.cache_hits
+            return counters.cache_hits, counters.cache_misses
     return 0, 0
 
 
@@ -122,12 +122,12 @@ class _EngineCollector:
                      sum(info["phases_s"].get(p, 0.0) for p in CAPTURE_PHASES))
 
         hits, misses = _compile_cache_counters(self.engine.engine) if self.engine.engine else (0, 0)
-        yield CounterMetricFamily("kiln_compile_cache_hits", "Piece compiles served from the compile "
-                                  "cache, from the compiled model's monitor; 0 when the engine has no "
-                                  "compiled model", value=hits)
-        yield CounterMetricFamily("kiln_compile_cache_misses", "Piece compiles that ran the compiler, "
-                                  "from the compiled model's monitor; 0 when the engine has no compiled "
-                                  "model", value=misses)
+        yield CounterMetricFamily("kiln_compile_cache_hits", "Pieces loaded from kiln's compile cache "
+                                  "or served from Inductor's, from the compiled model's monitor; 0 when "
+                                  "the engine has no compiled model", value=hits)
+        yield CounterMetricFamily("kiln_compile_cache_misses", "Piece compiles no cache could serve (the "
+                                  "compiler ran), from the compiled model's monitor; 0 when the engine "
+                                  "has no compiled model", value=misses)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -1,0 +1,133 @@
+"""Cold against warm start through kiln's compile cache (a benchmark, not a test): prints, writes JSON.
+
+CPU:  OMP_NUM_THREADS=1 python benchmarks/cache_start.py --model smollm2 --out benchmarks/results
+GPU:  python benchmarks/cache_start.py --device cuda --model llama-3-8b --out $OUT
+
+Every start is a fresh process that builds the engine as `kiln serve` would (LLMEngine; -O2
+unless -O<n> / -cc.<key>=<value> say otherwise) on one compile-cache root: the first start
+is cold (an empty root), the next --warm-runs are warm. For each start it reports the compile
+phase (the timeline's dynamo + inductor + cache_load: what the cache is for), the start-up
+total (process start to ready, imports included) and the counters. Targets: SmolLM2 warm
+compile phase <= 2 s on the development CPU, Llama-3-8B <= 1 s on the H200.
+"""
+
+from __future__ import annotations
+
+import time
+
+PROCESS_START = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPILE_PHASES = ("dynamo", "inductor", "cache_load")
+
+
+def child(args: argparse.Namespace, config_argv: list[str]) -> None:
+    """One start-up: engine built, then a line of JSON on stdout."""
+    sys.path.insert(0, str(ROOT))  # run from a checkout, installed or not
+    import torch
+
+    from kiln.config import EngineConfig, parse_compilation_args
+    from kiln.engine import LLMEngine
+
+    _, compilation = parse_compilation_args(config_argv)
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype or "auto",
+                          max_num_batched_tokens=args.max_num_batched_tokens, compilation=compilation)
+    engine = LLMEngine(config)
+    ready = time.perf_counter() - PROCESS_START
+    phases = engine.timeline.as_dict()["phases_s"]
+    compiled = engine.runner.compiled
+    print(json.dumps({
+        "phases_s": phases, "compile_phase_s": sum(phases.get(p, 0.0) for p in COMPILE_PHASES),
+        "engine_ready_s": engine.timeline.ready_seconds, "process_ready_s": ready,
+        "stats": compiled.stats, "entry": compiled.entry.key if compiled.entry else None,
+        "describe": compiled.describe(), "torch": torch.__version__,
+        "device_name": (torch.cuda.get_device_name() if config.torch_device.type == "cuda"
+                        else f"cpu ({platform.processor() or platform.machine()})"),
+        "dtype": str(config.torch_dtype)}))
+
+
+def start(args: argparse.Namespace, config_argv: list[str], root: str) -> dict:
+    env = dict(os.environ, KILN_CACHE_ROOT=root)
+    env.pop("KILN_DISABLE_COMPILE_CACHE", None)
+    if args.device == "cpu":
+        env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, __file__, "--child", "--model", args.model, "--device", args.device,
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), *config_argv]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if run.returncode != 0:
+        raise RuntimeError(f"start-up failed:\n{run.stderr[-4000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def summary(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in ("compile_phase_s", "engine_ready_s", "process_ready_s")}
+
+
+def main(argv: list[str]) -> None:
+    sys.path.insert(0, str(ROOT))
+    from kiln.config import parse_compilation_args
+
+    rest, _ = parse_compilation_args(argv)
+    config_argv = [a for a in argv if a not in rest]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="smollm2 (embedded weights) or a preset name")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--warm-runs", type=int, default=3)
+    parser.add_argument("--root", default=None, help="cache root (default: a fresh temporary one, so the first start is cold)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(rest)
+    if args.child:
+        return child(args, config_argv)
+
+    root = args.root or tempfile.mkdtemp(prefix="kiln-cache-bench-")
+    cold = start(args, config_argv, root)
+    print(f"cold: compile phase {cold['compile_phase_s']:.2f} s {_phases(cold)}, ready {cold['engine_ready_s']:.2f} s "
+          f"(process {cold['process_ready_s']:.2f} s); {cold['stats']['inductor_compiles']} Inductor compiles", flush=True)
+    warm = []
+    for i in range(args.warm_runs):
+        warm.append(start(args, config_argv, root))
+        w = warm[-1]
+        print(f"warm {i + 1}: compile phase {w['compile_phase_s']:.2f} s {_phases(w)}, ready "
+              f"{w['engine_ready_s']:.2f} s (process {w['process_ready_s']:.2f} s); "
+              f"{w['stats']['inductor_compiles']} Inductor compiles, {w['stats']['graphs_seen']} Dynamo graphs, "
+              f"{w['stats']['pieces_loaded']} artifacts loaded", flush=True)
+    target = 1.0 if args.device == "cuda" else 2.0
+    report = {"model": args.model, "device": cold["device_name"], "torch": cold["torch"], "dtype": cold["dtype"],
+              "threads": os.environ.get("OMP_NUM_THREADS"), "max_num_batched_tokens": args.max_num_batched_tokens,
+              "config_argv": config_argv, "describe": cold["describe"], "entry": cold["entry"],
+              "cold": cold, "warm": warm, "warm_median": summary(warm) if warm else None,
+              "target_warm_compile_phase_s": target}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"cache_start_{args.model}_{args.device}.json"
+    path.write_text(json.dumps(report, indent=2))
+    if warm:
+        m = report["warm_median"]
+        verdict = "meets" if m["compile_phase_s"] <= target else "MISSES"
+        print(f"{args.model} on {cold['device_name']}: compile phase cold {cold['compile_phase_s']:.2f} s -> warm "
+              f"{m['compile_phase_s']:.2f} s (median; {verdict} the {target:.0f} s target); start-up to ready cold "
+              f"{cold['engine_ready_s']:.2f} s -> warm {m['engine_ready_s']:.2f} s")
+    print(f"wrote {path}")
+
+
+def _phases(run: dict) -> str:
+    parts = [f"{p} {run['phases_s'][p]:.2f}" for p in COMPILE_PHASES if p in run["phases_s"]]
+    return f"({', '.join(parts)})" if parts else ""
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

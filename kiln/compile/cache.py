@@ -1,0 +1,509 @@
+"""The compile cache on disk: entries keyed by cache_key, written atomically under a lock,
+checked against their manifest before anything in them is loaded.
+
+    $KILN_CACHE_ROOT                  default ~/.cache/kiln, mode 0700
+      index/<prekey>.json             the source files the last capture traced (see cache_key)
+      <key>/                          one entry
+        lock                          held (flock) by any process reading or writing the entry
+        manifest.json                 what the entry holds, and a sha256 of every other file
+        env.json config.json code.json compiler.json   the key's factors, readable
+        computation_graph.py          the split graph as Python, to read
+        graph.pkl                     the split graph, its pieces and how to call it, to load
+        pieces/piece<i>.<shape>.<compiler>.bin   an artifact per unique piece and token shape
+        inductor/                     TORCHINDUCTOR_CACHE_DIR while the entry compiles or loads:
+                                      on CPU an artifact does not carry its built .so, this does
+
+A file that fails its checksum is logged with its path and rebuilt, never loaded.
+KILN_DISABLE_COMPILE_CACHE=1 turns the cache off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import os
+import pickle
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.compile.cache_key import FACTORS, code_factor, key_of, prekey_of
+from kiln.compile.monitor import logger
+from kiln.compile.pieces import TokenShape
+
+MANIFEST = "manifest.json"
+GRAPH = "graph.pkl"
+READABLE_GRAPH = "computation_graph.py"
+INDUCTOR = "inductor"
+MAX_GRAPH_BYTES = 256 * 2**20
+# Inductor rewrites these from the artifact on every load (or keeps locks and temporary
+# files there), so they are not the entry's to check.
+_RESTORED_ON_LOAD = ("fxgraph", "aotautograd", "triton", "locks", "cache")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KILN_CACHE_ROOT") or Path.home() / ".cache" / "kiln").expanduser()
+
+
+def cache_disabled() -> bool:
+    return os.environ.get("KILN_DISABLE_COMPILE_CACHE", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def sha256_file(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a temporary file beside `path`, then rename it over: readers see all or nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class EntryLock:
+    """An exclusive flock on <entry>/lock, re-entrant within a process (a second flock on
+    a new descriptor of the same file would wait for the first forever)."""
+
+    _locks: dict[Path, "EntryLock"] = {}
+    _guard = threading.Lock()
+
+    def __init__(self, path: Path):
+        self.path, self.depth, self.fd = path, 0, None
+        self.mutex = threading.RLock()
+
+    @classmethod
+    def of(cls, path: Path) -> "EntryLock":
+        with cls._guard:
+            return cls._locks.setdefault(path, cls(path))
+
+    @contextlib.contextmanager
+    def hold(self):
+        with self.mutex:
+            if self.depth == 0:
+                self.fd = self._acquire()
+            self.depth += 1
+            try:
+                yield
+            finally:
+                self.depth -= 1
+                if self.depth == 0:
+                    os.close(self.fd)  # releases the flock
+                    self.fd = None
+
+    def _acquire(self) -> int:
+        while True:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                logger.info("compile cache: waiting for another process to finish with %s", self.path.parent)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            # `kiln cache clear` may have removed the entry while this process waited.
+            if self.path.exists() and os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                return fd
+            os.close(fd)
+
+
+@dataclass
+class CacheRoot:
+    path: Path = field(default_factory=cache_root)
+
+    def ensure(self) -> None:
+        if not self.path.exists():
+            self.path.mkdir(mode=0o700, parents=True)
+            os.chmod(self.path, 0o700)  # mkdir's mode is filtered by the umask
+
+    def entry(self, key: str) -> "CacheEntry":
+        return CacheEntry(self.path / key, key)
+
+    def entries(self) -> list["CacheEntry"]:
+        if not self.path.is_dir():
+            return []
+        return [self.entry(p.name) for p in sorted(self.path.iterdir())
+                if p.is_dir() and p.name != "index" and not p.name.startswith(".")]
+
+    def find(self, prefix: str) -> "CacheEntry":
+        """The entry whose key starts with `prefix` (as git takes a short hash)."""
+        found = [e for e in self.entries() if e.key.startswith(prefix)]
+        if len(found) != 1:
+            raise ValueError(f"{'no' if not found else len(found)} cache entries match {prefix!r} in {self.path}")
+        return found[0]
+
+    def read_index(self, prekey: str) -> list[str] | None:
+        try:
+            return json.loads((self.path / "index" / f"{prekey}.json").read_text())["sources"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def write_index(self, prekey: str, sources: list[str]) -> None:
+        self.ensure()
+        write_atomic(self.path / "index" / f"{prekey}.json", json.dumps({"sources": sources}, indent=1).encode())
+
+
+@dataclass
+class CompileCache:
+    """The cache a model compiles into, and what its caller knows that changes the compiled
+    code (architecture, dtype, custom ops: part of the config factor). `name` is only shown."""
+
+    root: CacheRoot
+    model: dict
+    name: str = ""
+
+    @classmethod
+    def from_env(cls, model: dict, name: str = "") -> "CompileCache | None":
+        """The cache at KILN_CACHE_ROOT, or None when KILN_DISABLE_COMPILE_CACHE is set."""
+        if cache_disabled():
+            logger.info("compile cache: off (KILN_DISABLE_COMPILE_CACHE)")
+            return None
+        return cls(CacheRoot(), model, name)
+
+
+class ModelCache:
+    """One model's way into the cache: the factors known before capture, and its entry."""
+
+    def __init__(self, cache: CompileCache, factors: dict, info: dict, root_source: str):
+        self.root, self.factors, self.info = cache.root, factors, info  # factors: all but code
+        self.root_source = root_source  # the forward's own file: traced whether Dynamo lists it or not
+        self.prekey = prekey_of(factors)
+        self.entry: CacheEntry | None = None
+
+    def warm_entry(self) -> "CacheEntry | None":
+        """The entry for the code as it is now, opened (checked, repaired), if one was filled before."""
+        sources = self.root.read_index(self.prekey)
+        code = code_factor(sources) if sources else None
+        if code is None:
+            return None
+        factors = {**self.factors, "code": code}
+        entry = self.root.entry(key_of(factors))
+        if not entry.exists():
+            return None
+        entry.open(factors, self.info)
+        self.entry = entry
+        return entry
+
+    def entry_for(self, traced: list[str]) -> "CacheEntry":
+        """The entry for the files this capture traced (created if new)."""
+        sources = sorted(set(traced) | {self.root_source})
+        code = code_factor(sources) or {}
+        factors = {**self.factors, "code": code}
+        self.root.write_index(self.prekey, sources)
+        self.entry = self.root.entry(key_of(factors))
+        self.entry.open(factors, self.info)
+        return self.entry
+
+
+class CacheEntry:
+    """One directory of the cache. Every method that touches files runs under its lock."""
+
+    def __init__(self, path: Path, key: str):
+        self.path, self.key = path, key
+        self.manifest: dict = {}
+        self.warm = False  # loaded at start-up: from then on a compile is a miss worth a warning
+
+    @property
+    def model_name(self) -> str:
+        return self.manifest.get("model") or "the model"
+
+    @contextlib.contextmanager
+    def lock(self):
+        lock = EntryLock.of(self.path / "lock")
+        with lock.hold():
+            if lock.depth == 1 and self.manifest:
+                self._refresh()  # another process may have written since this one last held it
+            yield
+
+    def exists(self) -> bool:
+        return (self.path / MANIFEST).exists()
+
+    # -- opening: read, check, repair ---------------------------------------------------
+
+    def open(self, factors: dict, info: dict) -> None:
+        """Read the manifest and check every file; create the entry if it is new or unreadable."""
+        with self.lock():
+            manifest = self.read_manifest(repair=True)
+            if manifest is None:
+                manifest = self._create(info)
+            manifest["plan"] = _merge_plan(manifest.get("plan"), info.get("plan"))
+            self.manifest = manifest
+            self._repair(self.bad_files())
+            for name in FACTORS:  # new, or failed its checksum: this process knows them
+                if f"{name}.json" not in manifest["files"]:
+                    self._write_file(f"{name}.json", json.dumps(factors[name], indent=1, sort_keys=True).encode())
+            self._write_manifest()
+
+    def read_manifest(self, repair: bool = False) -> dict | None:
+        path = self.path / MANIFEST
+        if not path.exists():
+            return None
+        try:
+            manifest = json.loads(path.read_text())
+            if not isinstance(manifest, dict) or manifest.get("key") != self.key:
+                raise ValueError("not this entry's manifest")
+            return manifest
+        except (OSError, ValueError) as e:
+            if not repair:
+                raise ValueError(f"{path} is unreadable: {e}") from None
+            logger.warning("compile cache: manifest %s is unreadable (%s); rebuilding the entry", path, e)
+            self._wipe()
+            return None
+
+    def _create(self, info: dict) -> dict:
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        now = _now()
+        return {"key": self.key, "kiln": _kiln_version(), **info, "created": now, "updated": now,
+                "shapes": {}, "graph": None, "files": {}}
+
+    def bad_files(self) -> list[str]:
+        return [rel for rel, digest in self.manifest.get("files", {}).items()
+                if sha256_file(self.path / rel) != digest]
+
+    def _repair(self, bad: list[str]) -> None:
+        for rel in bad:
+            logger.warning("compile cache: %s fails its checksum (corrupted, truncated or missing); "
+                           "rebuilding it", self.path / rel)
+            self._forget(rel)
+        if any(rel.startswith(INDUCTOR + "/") for rel in bad):
+            # Which artifact needs which built file is Inductor's secret: rebuild them all.
+            for rel in [r for r in self.manifest["files"] if r.startswith((INDUCTOR + "/", "pieces/"))]:
+                self._forget(rel)
+            shutil.rmtree(self.path / INDUCTOR, ignore_errors=True)
+        if GRAPH in bad or READABLE_GRAPH in bad:
+            self._forget(GRAPH)
+            self._forget(READABLE_GRAPH)
+            self.manifest["graph"] = None
+
+    def _forget(self, rel: str) -> None:
+        self.manifest["files"].pop(rel, None)
+        with contextlib.suppress(FileNotFoundError):
+            (self.path / rel).unlink()
+
+    def _wipe(self) -> None:
+        for child in self.path.iterdir():
+            if child.name != "lock":
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+    # -- writing ------------------------------------------------------------------------
+
+    def _write_file(self, rel: str, data: bytes) -> None:
+        write_atomic(self.path / rel, data)
+        self.manifest["files"][rel] = hashlib.sha256(data).hexdigest()
+
+    def _write_manifest(self) -> None:
+        shapes = [TokenShape(s["lo"], s["hi"]) for s in self.manifest["shapes"].values() if self._has_shape(s)]
+        self.manifest["ranges"] = sorted([s.lo, s.hi] for s in shapes if not s.is_size)
+        self.manifest["sizes"] = sorted(s.lo for s in shapes if s.is_size)
+        self.manifest["updated"] = _now()
+        write_atomic(self.path / MANIFEST, json.dumps(self.manifest, indent=1, sort_keys=True).encode())
+
+    def _refresh(self) -> None:
+        with contextlib.suppress(ValueError):  # unreadable now: keep what was read at open
+            self.manifest = self.read_manifest() or self.manifest
+
+    def save_program(self, program, readable: str) -> None:
+        data = pickle.dumps(program, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > MAX_GRAPH_BYTES:  # weights baked into the graph as constants: not worth a file
+            logger.warning("compile cache: the split graph pickles to %.0f MiB (constants in the graph?); "
+                           "not kept, so a warm start will run Dynamo", len(data) / 2**20)
+            return
+        with self.lock():
+            self._write_file(GRAPH, data)
+            self._write_file(READABLE_GRAPH, readable.encode())
+            self.manifest["graph"] = {"file": GRAPH, "bytes": len(data), **program.summary()}
+            self._write_manifest()
+
+    def load_program(self):
+        """The pickled split program, or None if there is none (or it fails its checksum)."""
+        with self.lock():
+            if not self.manifest.get("graph"):
+                return None
+            data = (self.path / GRAPH).read_bytes()
+            if hashlib.sha256(data).hexdigest() != self.manifest["files"].get(GRAPH):
+                self._repair([GRAPH])
+                self._write_manifest()
+                return None
+            try:
+                return pickle.loads(data)
+            except Exception as e:  # e.g. an op or module it names is gone from this install
+                logger.warning("compile cache: %s could not be loaded (%s: %s); capturing again",
+                               self.path / GRAPH, type(e).__name__, e)
+                self._repair([GRAPH])
+                self._write_manifest()
+                return None
+
+    # -- pieces ---------------------------------------------------------------------------
+
+    def artifact(self, index: int, shape: TokenShape) -> str:
+        return f"pieces/piece{index}.{shape_tag(shape)}.inductor.bin"  # the only piece compiler with artifacts
+
+    def load_piece(self, index: int, shape: TokenShape) -> Callable | None:
+        """The artifact of unique piece `index` for `shape`; None if absent or bad (then removed)."""
+        import torch._inductor
+
+        rel = self.artifact(index, shape)
+        if rel not in self.manifest["files"]:
+            return None
+        if sha256_file(self.path / rel) != self.manifest["files"][rel]:
+            self._repair([rel])
+            self._write_manifest()
+            return None
+        try:
+            with self.loader_dirs():
+                return torch._inductor.CompiledArtifact.load(path=str(self.path / rel), format="binary")
+        except Exception as e:  # a valid checksum over bytes this torch cannot read
+            logger.warning("compile cache: %s could not be loaded (%s: %s); rebuilding it",
+                           self.path / rel, type(e).__name__, e)
+            self._forget(rel)
+            self._write_manifest()
+            return None
+
+    def save_piece(self, index: int, shape: TokenShape, artifact) -> None:
+        rel = self.artifact(index, shape)
+        target = self.path / rel
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            artifact.save(path=str(tmp), format="binary")
+        except Exception as e:  # e.g. a graph AOTAutograd will not cache: run it, but keep nothing
+            logger.warning("compile cache: cannot keep %s (%s: %s); it will compile again on the next start",
+                           target, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            tmp.unlink(missing_ok=True)
+            return
+        os.replace(tmp, target)
+        self.manifest["files"][rel] = sha256_file(target)
+
+    def shape_done(self, shape: TokenShape, size_hint: int, num_pieces: int) -> None:
+        """Record `shape` and the built files Inductor left for it; write the manifest."""
+        self.manifest["shapes"][shape_tag(shape)] = {
+            "lo": shape.lo, "hi": shape.hi, "size_hint": size_hint,
+            "artifacts": [self.artifact(i, shape) for i in range(num_pieces)]}
+        inductor = self.path / INDUCTOR
+        for path in sorted(inductor.rglob("*")) if inductor.exists() else []:
+            rel = path.relative_to(self.path).as_posix()
+            if path.is_file() and rel not in self.manifest["files"] and _kept(path.relative_to(inductor)):
+                self.manifest["files"][rel] = sha256_file(path)
+        self._write_manifest()
+
+    def has_shape(self, shape: TokenShape) -> bool:
+        record = self.manifest.get("shapes", {}).get(shape_tag(shape))
+        return record is not None and self._has_shape(record)
+
+    def _has_shape(self, record: dict) -> bool:
+        return all(rel in self.manifest["files"] for rel in record["artifacts"])
+
+    # -- Inductor's directories -------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def compiler_dirs(self):
+        """Inductor compiles into this entry's own cache dir (so the built .so files are here)."""
+        import torch._inductor.config
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+        # The base vector ISA is taken from the CPU's flags instead of probed with a compiler
+        # run and a subprocess per ISA; compile and load must agree, as the ISA is in the .so's name.
+        with temporary_cache_dir(str(self.path / INDUCTOR)), \
+                torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+            if self.path not in _PROBED and str(self.manifest.get("device", "cpu")).startswith("cpu"):
+                _PROBED.add(self.path)
+                probe_isa_here()
+            yield
+
+    @contextlib.contextmanager
+    def loader_dirs(self):
+        import torch._inductor.config
+
+        # One thread: loading compiles nothing, and a worker pool would only cost start-up.
+        with self.compiler_dirs(), torch._inductor.config.patch({"compile_threads": 1}):
+            yield
+
+    # -- what `kiln cache` shows ------------------------------------------------------------
+
+    def coverage(self) -> dict:
+        shapes = [s for s in self.manifest.get("shapes", {}).values() if self._has_shape(s)]
+        plan = self.manifest.get("plan") or {}
+        wanted = {shape_tag(TokenShape(*r)) for r in plan.get("ranges", [])} | \
+                 {shape_tag(TokenShape(n, n)) for n in plan.get("sizes", [])}
+        have = {shape_tag(TokenShape(s["lo"], s["hi"])) for s in shapes}
+        needs_artifacts = self.manifest.get("piece_compiler", "inductor") == "inductor"
+        return {"ranges": sorted([s["lo"], s["hi"]] for s in shapes if s["lo"] != s["hi"]),
+                "sizes": sorted(s["lo"] for s in shapes if s["lo"] == s["hi"]),
+                "capture_sizes": self.manifest.get("capture_sizes", []),
+                "missing": sorted(wanted - have) if needs_artifacts else [],
+                "graph": bool(self.manifest.get("graph"))}
+
+    def complete(self) -> bool:
+        cover = self.coverage()
+        return cover["graph"] and not cover["missing"]
+
+    def size_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
+
+    def clear(self) -> None:
+        with self.lock():
+            doomed = self.path.with_name(f".{self.key}.removing.{os.getpid()}")
+            os.replace(self.path, doomed)  # atomic: no reader sees half an entry
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+_PROBED: set[Path] = set()  # entries whose Inductor dir holds this process's ISA probes
+
+
+def probe_isa_here() -> None:
+    """Inductor still probes ISA extensions (AVX-512 BF16, VNNI, AMX) by building tiny .so
+    files in the current cache dir, once per process. A warm start repeats the probes in the
+    entry's dir and must find those files there, or it runs the C++ compiler: so the probes
+    are forgotten and run again inside each entry (guarded: these are Inductor internals)."""
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        classes = {c for isa in cpu_vec_isa.supported_vec_isa_list for c in type(isa).__mro__}
+        for cls in classes:
+            for attr in vars(cls).values():
+                getattr(attr, "cache_clear", lambda: None)()
+        for isa in cpu_vec_isa.supported_vec_isa_list:  # probe results kept on the instances
+            for name in [n for n in vars(isa) if n.startswith("_is_") and n.endswith("_supported")]:
+                delattr(isa, name)
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+        cpu_vec_isa.pick_vec_isa()
+    except Exception as e:  # another torch: the probes then land wherever Inductor puts them
+        logger.debug("compile cache: could not re-run Inductor's ISA probes: %s", e)
+
+
+def shape_tag(shape: TokenShape) -> str:
+    return f"size-{shape.lo}" if shape.is_size else f"range-{shape.lo}-{shape.hi}"
+
+
+def _kept(rel: Path) -> bool:
+    return rel.parts[0] not in _RESTORED_ON_LOAD and not rel.name.startswith(".") and not rel.name.endswith(
+        (".lock", ".tmp"))
+
+
+def _merge_plan(old: dict | None, new: dict | None) -> dict:
+    old, new = old or {}, new or {}
+    ranges = {tuple(r) for r in old.get("ranges", []) + new.get("ranges", [])}
+    sizes = set(old.get("sizes", []) + new.get("sizes", []))
+    return {"ranges": sorted(list(r) for r in ranges), "sizes": sorted(sizes)}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _kiln_version() -> str:
+    try:
+        return importlib.metadata.version("kiln")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,141 @@
+"""`kiln cache ls | verify | clear | diff`: look after the compile cache (KILN_CACHE_ROOT).
+
+    kiln cache ls                 every entry: model, device, size, age, complete or not, shapes
+    kiln cache verify [KEY ...]   every file against its checksum in the manifest
+    kiln cache clear KEY ... | --all
+    kiln cache diff A B           why two keys differ, factor by factor
+
+A KEY may be shortened to any unique prefix.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+from kiln.compile.cache import CacheEntry, CacheRoot
+from kiln.compile.cache_key import FACTORS
+
+
+def ls(root: CacheRoot) -> list[str]:
+    entries = root.entries()
+    if not entries:
+        return [f"no cache entries in {root.path}"]
+    lines = [f"{root.path}:", f"{'KEY':16}  {'MODEL':14} {'DEVICE':8} {'DTYPE':9} {'SIZE':>9} {'AGE':>6}  "
+             f"{'STATE':10} SHAPES"]
+    for entry in entries:
+        try:
+            manifest = entry.read_manifest() or {}
+        except ValueError:
+            lines.append(f"{entry.key:16}  unreadable manifest (the next start rebuilds it)")
+            continue
+        entry.manifest = manifest
+        cover = entry.coverage()
+        shapes = [f"[{lo},{hi}]" for lo, hi in cover["ranges"]] + [str(n) for n in cover["sizes"]]
+        state = "complete" if entry.complete() else "partial" if manifest else "empty"
+        lines.append(f"{entry.key:16}  {manifest.get('model', '?')[:14]:14} {manifest.get('device', '?'):8} "
+                     f"{manifest.get('dtype', '?'):9} {_size(entry.size_bytes()):>9} "
+                     f"{_age(manifest.get('updated')):>6}  {state:10} {' '.join(shapes) or '-'}")
+    return lines
+
+
+def verify(root: CacheRoot, keys: list[str]) -> tuple[bool, list[str]]:
+    entries = [root.find(k) for k in keys] if keys else root.entries()
+    ok, lines = True, []
+    for entry in entries:
+        with entry.lock():
+            try:
+                entry.manifest = entry.read_manifest() or {}
+            except ValueError as e:
+                ok = False
+                lines.append(f"{entry.key}: BAD {e}")
+                continue
+            bad = entry.bad_files()
+        files = len(entry.manifest.get("files", {}))
+        ok = ok and not bad
+        lines.append(f"{entry.key}: {'OK' if not bad else 'BAD'} ({files} files checked)")
+        lines += [f"  fails its checksum: {entry.path / rel}" for rel in bad]
+    if not entries:
+        lines.append(f"no cache entries in {root.path}")
+    return ok, lines
+
+
+def clear(root: CacheRoot, keys: list[str], everything: bool) -> list[str]:
+    if everything == bool(keys):
+        raise ValueError("kiln cache clear takes entry keys or --all, not both and not neither")
+    entries = root.entries() if everything else [root.find(k) for k in keys]
+    for entry in entries:
+        entry.clear()
+    if everything and (root.path / "index").exists():
+        for index in (root.path / "index").iterdir():
+            index.unlink()
+    return [f"removed {entry.key}" for entry in entries] or [f"no cache entries in {root.path}"]
+
+
+def diff(root: CacheRoot, a: str, b: str) -> list[str]:
+    first, second = root.find(a), root.find(b)
+    lines = [f"{first.key} -> {second.key}"]
+    for factor in FACTORS:
+        left, right = _flat(_factor(first, factor)), _flat(_factor(second, factor))
+        changes = [f"    {k}: {_show(left.get(k, _MISSING))} -> {_show(right.get(k, _MISSING))}"
+                   for k in sorted(set(left) | set(right)) if left.get(k, _MISSING) != right.get(k, _MISSING)]
+        lines.append(f"  {factor}: {'same' if not changes else f'{len(changes)} difference(s)'}")
+        lines += changes
+    return lines
+
+
+_MISSING = object()
+
+
+def _factor(entry: CacheEntry, name: str) -> dict:
+    try:
+        return json.loads((entry.path / f"{name}.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{entry.path / (name + '.json')} is unreadable: {e}") from None
+
+
+def _flat(value, prefix: str = "") -> dict:
+    if isinstance(value, dict) and value:
+        out = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix or "(value)": value}
+
+
+def _show(value) -> str:
+    return "(absent)" if value is _MISSING else json.dumps(value)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _age(stamp: str | None) -> str:
+    if not stamp:
+        return "?"
+    seconds = (datetime.datetime.now(datetime.timezone.utc) - datetime.datetime.fromisoformat(stamp)).total_seconds()
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def main(args) -> int:
+    root = CacheRoot()
+    if args.cache_command == "ls":
+        print("\n".join(ls(root)))
+        return 0
+    if args.cache_command == "verify":
+        ok, lines = verify(root, args.keys)
+        print("\n".join(lines))
+        return 0 if ok else 1
+    if args.cache_command == "clear":
+        print("\n".join(clear(root, args.keys, args.all)))
+        return 0
+    print("\n".join(diff(root, args.a, args.b)))
+    return 0

@@ -1,0 +1,63 @@
+"""A process that starts tiny-llama's compiled forward as the engine does, on a given cache root.
+
+    python tests/cache_process.py ROOT [SIZES]     prints one JSON line: the compile stats,
+                                                   the entry key, and compiled-vs-eager error
+
+Shared by tests/test_cache.py, in-process (start) and as the "second process".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from kiln.compile.cache import CacheRoot
+from kiln.config import EngineConfig
+from kiln.engine.runner import compile_cache, compile_forward
+from kiln.engine.timeline import StartupTimeline
+from kiln.forward_context import set_forward_context
+from kiln.loader import load_source
+from kiln.models import build_model
+
+MAX_TOKENS = 32
+
+
+def tiny(root: Path):
+    """tiny-llama (random weights) and the compile cache the engine would give it, at `root`."""
+    source = load_source("tiny-llama")
+    cache = compile_cache(source, torch.float32, frozenset())
+    cache.root = CacheRoot(Path(root))
+    return build_model(source.config, torch.float32, torch.device("cpu"), frozenset(), None), cache
+
+
+def start(root: Path, sizes: list[int] = ()):
+    """tiny-llama compiled (or loaded) with the engine's own start-up path."""
+    model, cache = tiny(root)
+    config = EngineConfig(model="tiny-llama", device="cpu", max_num_batched_tokens=MAX_TOKENS,
+                          compilation={"mode": 3, "compile_sizes": list(sizes), "strategy": "eager"})
+    timeline = StartupTimeline()
+    compiled = compile_forward(model, config, cache, timeline)
+    return model, compiled, timeline
+
+
+def max_error(model, compiled, counts=(1, 4, 7, MAX_TOKENS)) -> float:
+    worst = 0.0
+    with torch.inference_mode(), set_forward_context(None, {}):
+        for n in counts:
+            ids, pos = torch.randint(0, 512, (n,)), torch.arange(n)
+            want, got = model(ids, pos), compiled(ids, pos)
+            worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+    return worst
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    root = Path(sys.argv[1])
+    sizes = [int(n) for n in sys.argv[2].split(",")] if len(sys.argv) > 2 and sys.argv[2] else []
+    model, compiled, timeline = start(root, sizes)
+    print(json.dumps({"stats": compiled.stats, "key": compiled.entry.key, "phases": timeline.as_dict()["phases_s"],
+                      "max_error": max_error(model, compiled)}))

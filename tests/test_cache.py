@@ -1,0 +1,272 @@
+"""The compile cache: warm starts without Dynamo or Inductor, damage detected and rebuilt,
+concurrent fills, keys that follow the traced code, misses that are counted and logged.
+
+One entry is filled once (tiny-llama, one range [1, 32]); each test that damages or extends
+it works on a copy. "Second process" tests run tests/cache_process.py in a subprocess.
+"""
+
+import importlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from cache_process import MAX_TOKENS, max_error, start, tiny
+from kiln.compile import compile_model
+from kiln.compile.cache import CacheRoot, CompileCache, cache_disabled
+from kiln.compile.cache_key import env_factor
+from kiln.config import CompilationConfig
+from kiln.tools import cache_cli
+
+HERE = Path(__file__).resolve().parent
+
+
+def _run(*args, env=None, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory):
+    """A cache root holding one complete entry, filled cold in this process."""
+    root = tmp_path_factory.mktemp("cache") / "root"
+    model, compiled, timeline = start(root)
+    return root, compiled.entry.key, compiled.stats, timeline.as_dict()["phases_s"]
+
+
+@pytest.fixture
+def copy_of(filled, tmp_path):
+    root, key, _, _ = filled
+    copy = tmp_path / "root"
+    shutil.copytree(root, copy)
+    return copy, key
+
+
+def test_cold_start_fills_one_entry_with_every_file_checked(filled):
+    root, key, stats, phases = filled
+    assert stats["graphs_seen"] == 1 and stats["inductor_compiles"] == 3 and stats["pieces_loaded"] == 0
+    assert phases["dynamo"] > 0 and phases["inductor"] > 0 and "cache_load" not in phases
+    assert oct(root.stat().st_mode & 0o777) == "0o700"
+    entry = CacheRoot(root).entry(key)
+    manifest = json.loads((entry.path / "manifest.json").read_text())
+    assert manifest["ranges"] == [[1, MAX_TOKENS]] and manifest["sizes"] == []
+    assert manifest["model"] == "tiny-llama" and manifest["torch"] == torch.__version__
+    for name in ("env.json", "config.json", "code.json", "compiler.json", "graph.pkl", "computation_graph.py"):
+        assert name in manifest["files"], name
+    assert sum(f.startswith("pieces/") for f in manifest["files"]) == 3
+    # On CPU the built kernels are the entry's own: an artifact alone does not carry them.
+    assert any(f.startswith("inductor/") and f.endswith(".so") for f in manifest["files"])
+    code = json.loads((entry.path / "code.json").read_text())
+    assert "kiln.models.llama" in code and "kiln.ops.norm" in code
+    assert "class SplitGraph" in (entry.path / "computation_graph.py").read_text()
+
+
+def test_second_process_starts_warm_without_dynamo_or_inductor(filled):
+    root, key, _, _ = filled
+    built = sorted(p.name for p in (root / key / "inductor").rglob("*.so"))
+    run = _run(str(HERE / "cache_process.py"), str(root))
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    stats = out["stats"]
+    assert out["key"] == key
+    assert stats["inductor_compiles"] == 0 and stats["graphs_seen"] == 0  # neither Inductor nor Dynamo ran
+    assert stats["pieces_loaded"] == 3 and stats["cache_hits"] == 3 and stats["cache_misses"] == 0
+    assert set(out["phases"]) == {"cache_load"}
+    assert out["max_error"] <= 1e-4
+    assert sorted(p.name for p in (root / key / "inductor").rglob("*.so")) == built  # no C++ build either
+    assert "Loaded the compiled forward from compile cache entry" in run.stderr
+
+
+def test_a_corrupted_artifact_byte_is_logged_and_rebuilt(copy_of, caplog):
+    root, key = copy_of
+    artifact = sorted((root / key / "pieces").iterdir())[1]
+    data = bytearray(artifact.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    artifact.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="kiln.compile"):
+        model, compiled, _ = start(root)
+    assert f"{artifact} fails its checksum" in caplog.text
+    stats = compiled.stats
+    assert stats["graphs_seen"] == 0 and stats["pieces_loaded"] == 2 and stats["inductor_compiles"] == 1
+    assert max_error(model, compiled) <= 1e-4
+    ok, lines = cache_cli.verify(CacheRoot(root), [key])
+    assert ok, lines
+
+
+def test_a_truncated_manifest_rebuilds_the_entry(copy_of, caplog):
+    root, key = copy_of
+    manifest = root / key / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[: manifest.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING, logger="kiln.compile"):
+        model, compiled, _ = start(root)
+    assert f"manifest {manifest} is unreadable" in caplog.text
+    stats = compiled.stats
+    assert compiled.entry.key == key and stats["graphs_seen"] == 1 and stats["inductor_compiles"] == 3
+    assert max_error(model, compiled) <= 1e-4
+    assert cache_cli.verify(CacheRoot(root), [key])[0]
+    assert CacheRoot(root).entry(key).read_manifest()["graph"]["direct_call"]
+
+
+def test_without_a_usable_graph_dynamo_runs_but_every_piece_still_loads(copy_of, caplog):
+    root, key = copy_of
+    graph = root / key / "graph.pkl"
+    graph.write_bytes(graph.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING, logger="kiln.compile"):
+        model, compiled, _ = start(root)
+    assert f"{graph} fails its checksum" in caplog.text
+    stats = compiled.stats
+    assert stats["graphs_seen"] == 1 and stats["inductor_compiles"] == 0 and stats["pieces_loaded"] == 3
+    assert max_error(model, compiled) <= 1e-4
+    assert cache_cli.verify(CacheRoot(root), [key])[0]  # the graph was written again
+
+
+def test_a_shape_missing_from_a_warm_entry_is_a_logged_and_counted_miss(copy_of, caplog):
+    from kiln.forward_context import set_forward_context
+
+    root, key = copy_of
+    model, cache = tiny(root)
+    # Compile sizes are not in the key: this plan finds the entry, which lacks size 4.
+    compiled = compile_model(model, CompilationConfig(mode=3, strategy="lazy", compile_sizes=[4]), MAX_TOKENS,
+                             cache=cache)
+    with caplog.at_level(logging.WARNING, logger="kiln.compile"), torch.inference_mode(), \
+            set_forward_context(None, {}):
+        compiled(torch.randint(0, 512, (7,)), torch.arange(7))
+        assert compiled.stats["pieces_loaded"] == 3 and not caplog.text
+        compiled(torch.randint(0, 512, (4,)), torch.arange(4))
+    assert f"compile cache miss: size 4 of tiny-llama is not in cache entry {key}" in caplog.text
+    stats = compiled.stats
+    assert stats["inductor_compiles"] == 3 and stats["cache_misses"] == 3 and stats["graphs_seen"] == 0
+    assert CacheRoot(root).entry(key).read_manifest()["sizes"] == [4]  # kept for the next start
+
+
+def test_two_concurrent_prewarms_both_succeed_into_one_entry(tmp_path):
+    root = tmp_path / "root"
+    args = ["-m", "kiln.cli", "prewarm", "--model", "tiny-llama", "--max-num-batched-tokens", str(MAX_TOKENS)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", KILN_CACHE_ROOT=str(root),
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (stdout, stderr) in zip(procs, outs):
+        assert p.returncode == 0, stderr
+        assert "-> complete" in stdout
+    entries = [p.name for p in root.iterdir() if p.name != "index"]
+    assert len(entries) == 1
+    compiles = [int(stdout.split("this run: ")[1].split(" Inductor")[0]) for stdout, _ in outs]
+    assert sorted(compiles) == [0, 3]  # one compiled, the other waited and loaded its artifacts
+    verify = _run("-m", "kiln.cli", "cache", "verify", env={"KILN_CACHE_ROOT": str(root)})
+    assert verify.returncode == 0 and f"{entries[0]}: OK" in verify.stdout
+
+
+def test_prewarm_reports_what_the_entry_covers(copy_of, tmp_path):
+    root, key = copy_of
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps({"compile_sizes": [2], "cudagraph_capture_sizes": [1, 2]}))
+    run = _run("-m", "kiln.cli", "prewarm", "--model", "tiny-llama", "--max-num-batched-tokens", str(MAX_TOKENS),
+               "--manifest", str(shapes), env={"KILN_CACHE_ROOT": str(root)})
+    assert run.returncode == 0, run.stderr
+    assert f"cache entry {key}" in run.stdout
+    assert f"ranges: [1, {MAX_TOKENS}]" in run.stdout and "sizes: 2" in run.stdout
+    assert "asked for 1, 2" in run.stdout and "this run: 3 Inductor compiles, 3 artifacts loaded" in run.stdout
+
+
+# -- the key ------------------------------------------------------------------------------
+
+TOY_SOURCE = '''
+import torch
+from kiln.compile import compile_dynamic
+
+
+@compile_dynamic(dynamic_arg_dims={"x": 0})
+class Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.proj(x)) * SCALE
+'''
+
+
+def _toy_start(root: Path, toy):
+    cache = CompileCache(CacheRoot(root), {"toy": True}, "toy")
+    compiled = compile_model(toy, CompilationConfig(mode=3, piece_compiler="eager"), 16, cache=cache)
+    with torch.inference_mode():
+        x = torch.randn(5, 8)
+        torch.testing.assert_close(compiled(x), toy(x))
+    return compiled
+
+
+def test_editing_a_traced_source_changes_the_key_and_a_log_level_does_not(tmp_path, monkeypatch, caplog):
+    module_dir = tmp_path / "src"
+    module_dir.mkdir()
+    source = module_dir / "kiln_cache_toy.py"
+    source.write_text(textwrap.dedent(TOY_SOURCE) + "SCALE = 2.0\n")
+    monkeypatch.syspath_prepend(str(module_dir))
+    toy = importlib.import_module("kiln_cache_toy").Toy()
+    root = tmp_path / "root"
+
+    first = _toy_start(root, toy)
+    assert first.stats["graphs_seen"] == 1
+    key = first.entry.key
+    monkeypatch.setenv("KILN_LOG_LEVEL", "DEBUG")
+    caplog.set_level(logging.DEBUG)
+    again = _toy_start(root, toy)
+    assert again.entry.key == key and again.stats["graphs_seen"] == 0  # warm: no Dynamo
+
+    source.write_text(source.read_text() + "# an edit Dynamo's trace covers\n")
+    edited = _toy_start(root, toy)
+    assert edited.entry.key != key and edited.stats["graphs_seen"] == 1
+    lines = cache_cli.diff(CacheRoot(root), key, edited.entry.key)
+    assert "  env: same" in lines and "  config: same" in lines and "  compiler: same" in lines
+    assert "  code: 1 difference(s)" in lines and any("kiln_cache_toy" in line for line in lines)
+
+
+def test_env_factor_keeps_code_changing_variables_only():
+    env = {"KILN_LOG_LEVEL": "DEBUG", "KILN_CACHE_ROOT": "/x", "KILN_DISABLE_COMPILE_CACHE": "0",
+           "TORCHINDUCTOR_CACHE_DIR": "/y", "TORCHINDUCTOR_COMPILE_THREADS": "4", "HOME": "/root",
+           "TORCHINDUCTOR_MAX_AUTOTUNE": "1", "KILN_SOMETHING_NEW": "on"}
+    assert env_factor(env) == {"KILN_SOMETHING_NEW": "on", "TORCHINDUCTOR_MAX_AUTOTUNE": "1"}
+
+
+def test_disable_switch(monkeypatch):
+    monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "1")
+    assert cache_disabled() and CompileCache.from_env({"m": 1}) is None
+    monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "0")
+    assert not cache_disabled() and CompileCache.from_env({"m": 1}) is not None
+
+
+# -- the engine and the CLI ---------------------------------------------------------------
+
+def test_engine_starts_warm_and_reports_cache_load(copy_of, monkeypatch):
+    from kiln import LLM
+    from kiln.server.metrics import _compile_cache_counters
+
+    root, key = copy_of
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(root))
+    llm = LLM("tiny-llama", device="cpu", max_num_batched_tokens=MAX_TOKENS, num_kv_blocks=16, max_model_len=64,
+              compilation={"mode": 3, "strategy": "eager"})
+    phases = llm.engine.timeline.as_dict()["phases_s"]
+    assert phases["cache_load"] > 0 and "dynamo" not in phases and "inductor" not in phases
+    assert llm.engine.runner.compiled.entry.key == key
+    assert _compile_cache_counters(llm.engine) == (3, 0)
+    assert len(llm.generate([[1, 5, 9]])[0].token_ids) > 0
+
+
+def test_cache_ls_and_clear(copy_of):
+    root, key = copy_of
+    cache_root = CacheRoot(root)
+    listing = "\n".join(cache_cli.ls(cache_root))
+    assert key in listing and "tiny-llama" in listing and "complete" in listing and f"[1,{MAX_TOKENS}]" in listing
+    with pytest.raises(ValueError, match="not both and not neither"):
+        cache_cli.clear(cache_root, [], False)
+    assert cache_cli.clear(cache_root, [key[:6]], False) == [f"removed {key}"]
+    assert cache_root.entries() == [] and not (root / key).exists()
