@@ -71,3 +71,31 @@ def test_each_opaque_region_holds_the_kv_write_and_its_attention(tiny_llama):
     for name in split.regions:
         targets = [op_name(n.target) for n in getattr(split.module, name).graph.nodes if n.op == "call_function"]
         assert targets == ["kiln::kv_cache_write", "kiln::attention"]
+
+
+def test_every_piece_returns_a_tuple_without_split_modules_tuple_return(tiny_llama):
+    """torch < 2.12 has no tuple_return; kiln rewrites the split graph the same way."""
+    from torch.fx.passes.split_module import split_module
+
+    from kiln.compile.split import _return_tuples
+    from kiln.forward_context import set_forward_context
+
+    captured = []
+
+    def record(gm, example_inputs):
+        captured.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    ids = torch.arange(8)
+    with set_forward_context(None, {}):
+        torch.compile(tiny_llama, backend=record, fullgraph=True)(ids, ids)
+    torch._dynamo.reset()
+    gm, inputs = captured[0]
+    sub_ids, _ = subgraph_ids(gm.graph, {op.name for op in effective_split_ops()})
+    split = _return_tuples(split_module(gm, gm, lambda n: sub_ids[n], keep_original_order=True))
+    for name, sub in split.named_children():
+        output = next(n for n in sub.graph.nodes if n.op == "output")
+        assert isinstance(output.args[0], tuple), name
+    with set_forward_context(None, {}):
+        torch.testing.assert_close(split(*inputs), gm(*inputs), rtol=0, atol=0)

@@ -487,8 +487,10 @@ def shape_tag(shape: TokenShape) -> str:
 
 
 def _kept(rel: Path) -> bool:
+    # A .best_config is Triton's autotuning result, which Inductor (re)writes when a kernel
+    # first runs, after the shape was recorded: checksumming it would fail every warm start.
     return rel.parts[0] not in _RESTORED_ON_LOAD and not rel.name.startswith(".") and not rel.name.endswith(
-        (".lock", ".tmp"))
+        (".lock", ".tmp", ".best_config"))
 
 
 def _merge_plan(old: dict | None, new: dict | None) -> dict:

@@ -13,6 +13,7 @@ piece between them would be a launch with nothing in it.
 from __future__ import annotations
 
 import inspect
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -99,11 +100,31 @@ def subgraph_ids(graph: fx.Graph, names: set[str]) -> tuple[dict[fx.Node, int], 
 
 def split_graph(gm: fx.GraphModule, names: set[str]) -> SplitGraph:
     ids, opaque = subgraph_ids(gm.graph, names)
-    kwargs = {}
+    # Every piece returns a tuple, even of one value: a compiled artifact loaded from disk
+    # returns a list either way, so a bare-tensor piece would come back as [tensor].
     if "tuple_return" in inspect.signature(split_module).parameters:
-        kwargs["tuple_return"] = True  # else a one-output piece returns [tensor], not tensor
-    module = split_module(gm, gm, lambda node: ids[node], keep_original_order=True, **kwargs)
+        module = split_module(gm, gm, lambda node: ids[node], keep_original_order=True, tuple_return=True)
+    else:  # torch < 2.12
+        module = _return_tuples(split_module(gm, gm, lambda node: ids[node], keep_original_order=True))
     pieces, regions = [], []
     for i in sorted(set(ids.values())):
         (regions if i in opaque else pieces).append(f"submod_{i}")
     return SplitGraph(module, pieces, regions)
+
+
+def _return_tuples(module: fx.GraphModule) -> fx.GraphModule:
+    """What split_module(tuple_return=True) does: a one-value submodule returns (value,)."""
+    for node in list(module.graph.nodes):
+        if node.op != "call_module":
+            continue
+        sub = getattr(module, node.target)
+        output = next(n for n in sub.graph.nodes if n.op == "output")
+        if isinstance(output.args[0], (tuple, list)):
+            continue
+        output.args = ((output.args[0],),)
+        sub.recompile()
+        with module.graph.inserting_after(node):
+            first = module.graph.call_function(operator.getitem, (node, 0))
+        node.replace_all_uses_with(first, delete_user_cb=lambda user: user is not first)
+    module.recompile()
+    return module
