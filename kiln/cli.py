@@ -129,6 +129,12 @@ def cmd_prewarm(args) -> int:
     return prewarm(args)
 
 
+def cmd_inspect(args) -> int:
+    from kiln.tools.inspect_cmd import main as inspect
+
+    return inspect(args)
+
+
 def cmd_cache(args) -> int:
     from kiln.tools.cache_cli import main as cache
 
@@ -205,6 +211,15 @@ def main(argv: list[str] | None = None) -> int:
                       help="JSON with compile_ranges, compile_sizes, cudagraph_capture_sizes (each optional)")
     _engine_args(warm)
     warm.set_defaults(func=cmd_prewarm)
+    about = ("split ops, pieces, ranges and sizes, custom ops, cache entry and split graph of a model under "
+             "the compile flags (default -O2); starts warm from the compile cache, or, with no entry for these "
+             "flags, compiles as a server start would (--no-compile: capture and split only)")
+    look = sub.add_parser("inspect", help=about, description=about)
+    look.add_argument("--no-compile", action="store_true",
+                      help="with no cache entry, capture and split only: pieces uncompiled, no entry shown")
+    look.add_argument("--json", action="store_true", help="print the report as JSON")
+    _engine_args(look)
+    look.set_defaults(func=cmd_inspect)
     cache = sub.add_parser("cache", help="list, verify, clear or compare compile-cache entries (KILN_CACHE_ROOT)")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)
     cache_sub.add_parser("ls", help="every entry: model, device, size, age, complete or not, shapes")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import fx, nn
 
+from kiln.compile import trace
 from kiln.compile.cache_key import traced_sources
 from kiln.compile.capture import token_symbols
 from kiln.compile.dispatch import CallSpec
@@ -122,6 +123,7 @@ class PiecewiseBackend:
                                 for name in split.pieces + split.regions}, split.module.graph, class_name="SplitGraph")
         traced = traced_count(fakes, example_inputs, tokens)
         self.program = SplitProgram(graph, slots, uniques, split.regions, traced)
+        trace.split_graph(self.program)
         store = self.cache.entry_for(traced_files(gm)) if self.cache is not None else None
         self.start(self.program, store)
         compile_ahead(self.pieces, self.plan, self.config.strategy, self.plan.shape_for(traced))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from kiln.compile import trace
 from kiln.compile.backend import PiecewiseBackend, compile_ahead, runnable
 from kiln.compile.cache import CompileCache, ModelCache
 from kiln.compile.cache_key import compiler_factor, digest, env_factor, source_name
@@ -64,6 +65,7 @@ class CompiledModel:
             compiler = torch._dynamo.lookup_backend("inductor" if self.mode == 1 else config.backend)
         # Mode 1 is the stock baseline: Dynamo checks all its guards on every call.
         guards = "all" if self.mode == 1 else "shape" if config.debug_guards else "none"
+        compiler = trace.announcing(compiler, self._trace_config)
         return Capture(self.model, dims, checked_backend(compiler, self.monitor, max_tokens, owner),
                        guards=guards, mark=config.dynamic_shapes_mark, max_tokens=max_tokens,
                        monitor=self.monitor)
@@ -101,6 +103,8 @@ class CompiledModel:
                 logger.info("compile cache: entry %s has no replayable graph; capturing with Dynamo", entry.key)
                 return False
             entry.warm = True
+            self._trace_config()
+            trace.split_graph(program)
             self.backend.start(program, entry)
             pieces, plan = self.backend.pieces, self.backend.plan
             for shape in plan.all_shapes():
@@ -154,6 +158,12 @@ class CompiledModel:
                     [(n, list(t.shape), str(t.dtype), t.device.type) for n, t in tensors])},
                 "model": self.cache.model}
 
+    def _trace_config(self) -> None:
+        trace.compilation_config(self.config, self.split_ops, self.backend.plan if self.backend else None,
+                                 mode=self.mode, model_class=type(self.model).__name__,
+                                 max_num_batched_tokens=self.max_num_batched_tokens,
+                                 engine=self.cache.model if self.cache is not None else None)
+
     def warm_up(self, make_inputs: Callable[[int], tuple]) -> None:
         """Make the forward ready for every compile range and size, so nothing compiles while
         serving: start warm from the cache if it can, then run what is still missing.
@@ -170,6 +180,11 @@ class CompiledModel:
         for n in dict.fromkeys(counts):
             if not self._ready_for(n):
                 self(*make_inputs(n))
+
+    def start_from_cache(self) -> bool:
+        """Load the forward from the compile cache, without Dynamo, if an entry has it: True
+        then. With a lazy strategy nothing compiles (the eager one compiles what the entry lacks)."""
+        return self.backend is not None and self._warm_start()
 
     def _ready_for(self, num_tokens: int) -> bool:
         if self.dispatch is None:

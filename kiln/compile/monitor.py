@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from torch._dynamo.utils import counters as torch_counters
 from tqdm import tqdm
 
+from kiln.compile import trace
+
 logger = logging.getLogger("kiln.compile")
 
 
@@ -67,7 +69,7 @@ class CompileMonitor:
             self.times.backend_s += time.perf_counter() - start
 
     @contextlib.contextmanager
-    def piece_compile(self, label: str, after_capture: bool):
+    def piece_compile(self, piece: str, index: int, shape, after_capture: bool):
         hits = torch_counters["inductor"]["fxgraph_cache_hit"]
         start = time.perf_counter()
         yield
@@ -78,7 +80,8 @@ class CompileMonitor:
         self.counters.cache_hits += hit
         self.counters.cache_misses += 1 - hit
         self.counters.compiles_after_capture += after_capture
-        logger.debug("compiled %s in %.2f s", label, seconds)
+        logger.debug("compiled %s for %s in %.2f s", piece, shape, seconds)
+        trace.piece_compiled(piece, index, shape, seconds, bool(hit), after_capture)
 
     def pieces_loaded(self, count: int, seconds: float) -> None:
         self.counters.pieces_loaded += count

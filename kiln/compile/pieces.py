@@ -24,6 +24,7 @@ from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
+from kiln.compile import trace
 from kiln.compile.monitor import CompileMonitor, logger
 
 
@@ -239,9 +240,16 @@ class PieceSet:
 
     def _load_all(self, shape: TokenShape) -> list[Callable | None]:
         start = time.perf_counter()
-        table = [self.store.load_piece(i, shape) for i in range(len(self.uniques))]
+        table = [self._load(i, shape) for i in range(len(self.uniques))]
         self.monitor.pieces_loaded(sum(a is not None for a in table), time.perf_counter() - start)
         return table
+
+    def _load(self, index: int, shape: TokenShape) -> Callable | None:
+        start = time.perf_counter()
+        artifact = self.store.load_piece(index, shape)
+        trace.piece_loaded(self.uniques[index].name, index, shape, time.perf_counter() - start,
+                           artifact is not None, self.store.key)
+        return artifact
 
     def _compile_all(self, shape: TokenShape, table: list[Callable | None]) -> list[Callable]:
         start = time.perf_counter()
@@ -250,7 +258,7 @@ class PieceSet:
             for i in todo:
                 piece = self.uniques[i]
                 mode, inputs = specialise(piece.inputs, shape, self.traced_tokens)
-                with self.monitor.piece_compile(f"{piece.name} for {shape}", self.captured):
+                with self.monitor.piece_compile(piece.name, i, shape, self.captured):
                     table[i] = compile_piece(piece.graph, mode, inputs)
                 if self.store is not None:
                     self.store.save_piece(i, shape, table[i])
