@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 from typing import ClassVar
 
-import torch
 from torch import nn
 
 _KNOWN: set[str] = set()
