@@ -8,6 +8,7 @@ the way the engine calls them.
 import pytest
 import torch
 
+import kiln.distributed  # noqa: F401  registers the collectives
 import kiln.ops  # noqa: F401  registers torch.ops.kiln.*
 from kiln.forward_context import AttentionMetadata, set_forward_context
 from kiln.ops.rotary import rope_cos_sin_cache
@@ -31,6 +32,10 @@ def _cases():
                                                     _rand(T, KV_HEADS * HEAD_DIM), cache, HEAD_DIM)),
         "kv_cache_write": (ops.kv_cache_write, (k, v, "layer0")),
         "attention": (ops.attention, (q, k, v, torch.empty(0), torch.empty_like(q), "layer0", HEAD_DIM**-0.5)),
+        # On the one-process group (no torch.distributed); tests/test_collectives.py runs them on two.
+        "all_reduce": (ops.all_reduce, (_rand(T, HIDDEN), "tp")),
+        "reduce_scatter": (ops.reduce_scatter, (_rand(T, HIDDEN), "tp")),
+        "all_gather": (ops.all_gather, (_rand(T, HIDDEN), "tp")),
     }
 
 
