@@ -37,6 +37,9 @@ class EngineConfig:
     # read as -cc keys over the -O2 preset.
     compilation: CompilationConfig | dict | None = None
     enforce_eager: bool = False
+    # Processes that share the model, each with a shard of every layer: one per GPU on CUDA,
+    # gloo processes on CPU. kiln starts them itself (kiln.distributed.launcher).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -61,6 +64,12 @@ class EngineConfig:
                 raise ValueError(f"enforce_eager contradicts compilation mode {self.compilation.mode}; drop one")
             self.compilation = CompilationConfig.level(0)
         resolve_custom_ops(self.custom_ops, "none")  # a bad list fails now, not at build time
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp > 1 and self.torch_device.type == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs (one process each) but torch sees "
+                             f"{torch.cuda.device_count()}; lower it to at most {torch.cuda.device_count()}")
 
     @property
     def compilation_config(self) -> CompilationConfig:
@@ -95,11 +104,48 @@ class EngineConfig:
 COMPILATION_MODES = (0, 1, 2, 3)
 COMPILATION_LEVELS: dict[int, dict] = {
     0: {"mode": 0},
-    1: {"mode": 3, "piece_compiler": "eager"},  # capture and split, no code generation
-    2: {"mode": 3, "piece_compiler": "inductor", "strategy": "lazy"},
+    # capture and split, no code generation
+    1: {"mode": 3, "piece_compiler": "eager", "cudagraph_mode": "PIECEWISE"},
+    2: {"mode": 3, "piece_compiler": "inductor", "strategy": "lazy", "cudagraph_mode": "FULL_AND_PIECEWISE"},
     # Everything ahead of serving, with static compiles for the smallest decode batches.
-    3: {"mode": 3, "piece_compiler": "inductor", "strategy": "eager", "compile_sizes": [1, 2, 4, 8]},
+    3: {"mode": 3, "piece_compiler": "inductor", "strategy": "eager", "compile_sizes": [1, 2, 4, 8],
+        "cudagraph_mode": "FULL_AND_PIECEWISE"},
 }
+
+# CUDA graphs. A step is a uniform decode batch (every sequence adds one token) or a mixed
+# one (prefill chunks, maybe with decodes); each phase has its own graph setting. The modes
+# are presets of the two: mode -> (mixed batches, uniform decode batches).
+CUDAGRAPH_MODES = {
+    "NONE": ("none", "none"),
+    "PIECEWISE": ("piecewise", "piecewise"),
+    "FULL": ("full", "full"),
+    "FULL_DECODE_ONLY": ("none", "full"),
+    "FULL_AND_PIECEWISE": ("piecewise", "full"),
+}
+PHASE_GRAPH_MODES = ("full", "piecewise", "breakable", "none")
+PHASE_COMPILERS = ("inductor", "eager")
+
+
+@dataclass(frozen=True)
+class PhaseGraphs:
+    """How one phase (prefill = mixed batches, decode = uniform decode batches) runs.
+
+    mode: full (one graph per bucket, attention inside), piecewise (a graph per compiled
+    piece, attention eager between them), breakable (no compiler: the eager forward's
+    stream capture is cut at each attention call) or none.
+    compiler: inductor (kiln's compiled forward) or eager (the model's own forward).
+    max_batch: largest bucket, in tokens (prefill) or sequences (decode); None: the global
+    max. sizes: explicit buckets. static_compile (decode, full): SGLang's path, a whole
+    forward compiled by Inductor with static shapes per bucket up to static_max_batch;
+    larger decode batches run eagerly.
+    """
+
+    mode: str
+    compiler: str
+    max_batch: int | None = None
+    sizes: tuple[int, ...] = ()
+    static_compile: bool = False
+    static_max_batch: int = 32
 DEFAULT_COMPILATION_LEVEL = 2
 
 
@@ -117,6 +163,14 @@ class CompilationConfig:
     # on a recompile. With backed marking a 1-token call fails too: Dynamo assumes >= 2 tokens
     # (kiln runs such calls on the general graph); use unbacked marking to debug decode.
     debug_guards: bool = False
+    cudagraph_mode: str = "NONE"  # a CUDAGRAPH_MODES preset for both phases
+    cudagraph_capture_sizes: list[int] = field(default_factory=list)  # buckets; []: the default ladder
+    max_cudagraph_capture_size: int | None = None  # None: 2 * max_num_seqs, at most 512
+    # Per-phase overrides of the preset: {"mode", "compiler", "max_batch", "sizes"} (decode
+    # also "static_compile", "static_max_batch"); see PhaseGraphs.
+    cudagraph_prefill: dict = field(default_factory=dict)
+    cudagraph_decode: dict = field(default_factory=dict)
+    cudagraph_debug: bool = False  # check on every replay that inputs sit where they were captured
 
     _CHOICES = {"backend": None, "piece_compiler": ("inductor", "eager"), "strategy": ("eager", "lazy"),
                 "dynamic_shapes_mark": ("backed", "unbacked")}
@@ -139,8 +193,10 @@ class CompilationConfig:
         if any(not isinstance(op, str) or not op for op in self.splitting_ops):
             raise ValueError(f"compilation splitting_ops must be op names like 'kiln::attention', "
                              f"got {self.splitting_ops!r}")
-        if not isinstance(self.debug_guards, bool):
-            raise ValueError(f"compilation debug_guards must be true or false, got {self.debug_guards!r}")
+        for name in ("debug_guards", "cudagraph_debug"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"compilation {name} must be true or false, got {getattr(self, name)!r}")
+        self._check_cudagraphs()
         if self.mode == 2:
             import torch._dynamo
 
@@ -148,13 +204,74 @@ class CompilationConfig:
             if self.backend not in valid:
                 raise ValueError(f"compilation backend {self.backend!r} is unknown; valid: {', '.join(valid)}")
 
+    def _check_cudagraphs(self) -> None:
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"compilation cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, "
+                             f"got {self.cudagraph_mode!r}")
+        sizes = self.cudagraph_capture_sizes
+        if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"compilation cudagraph_capture_sizes must be strictly increasing positive "
+                             f"integers, got {sizes!r}")
+        top = self.max_cudagraph_capture_size
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 1):
+            raise ValueError(f"compilation max_cudagraph_capture_size must be a positive integer, got {top!r}")
+        for phase in ("prefill", "decode"):
+            self.phase_graphs(phase)  # a bad override fails here, at start-up
+
+    def phase_graphs(self, phase: str) -> PhaseGraphs:
+        """The graph setting of `phase` ("prefill" or "decode"): the preset, then the overrides."""
+        overrides = getattr(self, f"cudagraph_{phase}")
+        where = f"compilation cudagraph_{phase}"
+        if not isinstance(overrides, dict):
+            raise ValueError(f"{where} must be a JSON object like {{\"mode\": \"full\"}}, got {overrides!r}")
+        valid = ["mode", "compiler", "max_batch", "sizes"] + (["static_compile", "static_max_batch"]
+                                                             if phase == "decode" else [])
+        unknown = sorted(set(overrides) - set(valid))
+        if unknown:
+            raise ValueError(f"{where} has unknown key(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+        preset = CUDAGRAPH_MODES[self.cudagraph_mode][phase == "decode"]
+        mode = overrides.get("mode", preset)
+        compiler = overrides.get("compiler", "eager" if self.mode == 0 else "inductor")
+        if mode not in PHASE_GRAPH_MODES:
+            raise ValueError(f"{where} mode must be one of {', '.join(PHASE_GRAPH_MODES)}, got {mode!r}")
+        if compiler not in PHASE_COMPILERS:
+            raise ValueError(f"{where} compiler must be one of {', '.join(PHASE_COMPILERS)}, got {compiler!r}")
+        static = overrides.get("static_compile", False)
+        static_max = overrides.get("static_max_batch", 32)
+        max_batch = overrides.get("max_batch")
+        sizes = overrides.get("sizes", [])
+        if not isinstance(static, bool):
+            raise ValueError(f"{where} static_compile must be true or false, got {static!r}")
+        for name, value in (("max_batch", max_batch), ("static_max_batch", static_max)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{where} {name} must be a positive integer, got {value!r}")
+        if (not isinstance(sizes, list) or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in sizes)
+                or sizes != sorted(set(sizes))):
+            raise ValueError(f"{where} sizes must be strictly increasing positive integers, got {sizes!r}")
+        if compiler == "inductor" and self.mode == 0 and not static:
+            raise ValueError(f"{where} compiler 'inductor' needs a compiled forward, but compilation mode "
+                             f"is 0; use -O2 or set the phase's compiler to 'eager'")
+        if mode == "piecewise" and (compiler != "inductor" or self.mode != 3):
+            raise ValueError(f"{where}: piecewise graphs replay the pieces of kiln's split graph, which "
+                             f"needs compilation mode 3 (-O1..-O3) and compiler 'inductor' (got mode "
+                             f"{self.mode}, compiler {compiler!r}); use mode 'breakable' to graph the "
+                             f"eager forward, or 'full'")
+        if static and mode != "full":
+            raise ValueError(f"{where}: static_compile captures whole-forward graphs; it needs mode "
+                             f"'full', got {mode!r}")
+        return PhaseGraphs(mode, compiler, max_batch, tuple(sizes), static, static_max)
+
     @classmethod
     def level(cls, n: int, **overrides) -> "CompilationConfig":
         """The -O<n> preset, with `overrides` on top."""
         if n not in COMPILATION_LEVELS:
             raise ValueError(f"optimisation level -O{n} is unknown; valid: "
                              f"{', '.join(f'-O{k}' for k in COMPILATION_LEVELS)}")
-        return cls(**{**COMPILATION_LEVELS[n], **overrides})
+        values = {**COMPILATION_LEVELS[n], **overrides}
+        if "cudagraph_mode" not in overrides and values.get("mode", 3) != 3:
+            # Piecewise graphs need the split graph of mode 3; a whole-graph mode gets whole graphs.
+            values["cudagraph_mode"] = "NONE" if values.get("mode") == 0 else "FULL"
+        return cls(**values)
 
     @property
     def uses_inductor(self) -> bool:

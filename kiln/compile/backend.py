@@ -23,6 +23,7 @@ from kiln.compile import trace
 from kiln.compile.cache_key import traced_sources
 from kiln.compile.capture import token_symbols
 from kiln.compile.dispatch import CallSpec
+from kiln.compile.graphs import PiecewiseGraphs
 from kiln.compile.monitor import CompileMonitor, logger
 from kiln.compile.pieces import (PieceInput, PieceRunner, PieceSet, ShapePlan, TokenShape, UniquePiece,
                                  structural_hash, token_locator)
@@ -58,13 +59,15 @@ class SplitProgram:
         return "\n\n".join(parts)
 
 
-def runnable(program: SplitProgram, pieces: PieceSet) -> fx.GraphModule:
-    """A copy of the split graph whose piece slots run `pieces`."""
+def runnable(program: SplitProgram, pieces: PieceSet, graphs: PiecewiseGraphs | None = None) -> fx.GraphModule:
+    """A copy of the split graph whose piece slots run `pieces` (through CUDA graphs, when
+    `graphs` is given and active)."""
     module = fx.GraphModule(program.graph, program.graph.graph, class_name="SplitGraph")
     for name, slot in program.slots.items():
         # The split graph calls self.<name>(...): a plain attribute answers it.
         del module._modules[name]
-        module.__dict__[name] = PieceRunner(pieces, *slot)
+        runner = PieceRunner(pieces, *slot)
+        module.__dict__[name] = graphs.wrap(runner) if graphs is not None else runner
     return module
 
 

@@ -22,6 +22,7 @@ from kiln.compile.cache import CompileCache, ModelCache
 from kiln.compile.cache_key import compiler_factor, digest, env_factor, source_name
 from kiln.compile.capture import Capture, checked_backend
 from kiln.compile.dispatch import GraphCall, call_spec
+from kiln.compile.graphs import PiecewiseGraphs
 from kiln.compile.monitor import CompileMonitor, logger
 from kiln.compile.opt_in import dynamic_arg_dims
 from kiln.compile.split import SplitOp, check_split_ops, effective_split_ops
@@ -52,6 +53,7 @@ class CompiledModel:
         self.model_cache: ModelCache | None = None
         self.backend: PiecewiseBackend | None = None
         self.dispatch: GraphCall | None = None  # mode 3, once captured or loaded
+        self.piece_graphs = PiecewiseGraphs()  # CUDA graphs of the pieces, once captured
         self.capture: Capture | None = None if self.mode == 0 else self._capture(self.dims)
         logger.info("model forward: %s", self.describe())
 
@@ -111,7 +113,7 @@ class CompiledModel:
                 if entry.has_shape(shape):
                     pieces.compile(shape)  # loads it
             compile_ahead(pieces, plan, self.config.strategy, first=None)
-        self.dispatch = GraphCall(runnable(program, pieces), program.call, self.model, self.capture.signature)
+        self.dispatch = GraphCall(runnable(program, pieces, self.piece_graphs), program.call, self.model, self.capture.signature)
         self.monitor.warm_start_done(entry.key, time.perf_counter() - start)
         return True
 
@@ -124,7 +126,8 @@ class CompiledModel:
         backend.capture_inputs, backend.recorder.outputs = None, ()  # hold no tensors of the first call
         backend.program.call = spec
         if spec is not None:
-            self.dispatch = GraphCall(backend.recorder.module, spec, self.model, signature)
+            module = runnable(backend.program, backend.pieces, self.piece_graphs)
+            self.dispatch = GraphCall(module, spec, self.model, signature)
         entry = self.model_cache.entry if self.model_cache is not None else None
         if entry is not None:
             entry.save_program(backend.program, backend.program.readable())

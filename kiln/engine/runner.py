@@ -10,10 +10,13 @@ import torch
 
 from kiln.compile import CompiledModel, compile_model
 from kiln.compile.cache import CompileCache
+from kiln.compile.graph_plan import GraphChoice, GraphDispatcher
 from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
+from kiln.engine.forward_graphs import ForwardGraphs
 from kiln.engine.sampler import sample
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
+from kiln.engine.step_buffers import PackedStep, StepBuffers
 from kiln.engine.timeline import StartupTimeline
 from kiln.forward_context import AttentionMetadata, set_forward_context
 from kiln.loader import ModelSource
@@ -25,9 +28,10 @@ logger = logging.getLogger("kiln")
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor
+    input_ids: torch.Tensor  # padded to the chosen graph's bucket
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
+    graph: GraphChoice  # which CUDA graph (or none) runs the forward
     sample_rows: list[int]  # rows of the hidden states whose logits pick a token
     sample_seqs: list[Sequence]  # the sequences those rows belong to
 
@@ -84,6 +88,19 @@ class ModelRunner:
             }
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                     self.num_blocks * self.bytes_per_block / 2**30)
+        model_len = source.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.graphs = ForwardGraphs(
+            self.model, self.compiled,
+            GraphDispatcher.from_config(config.compilation_config, config.max_num_seqs,
+                                        config.max_num_batched_tokens, enabled=self.device.type == "cuda"),
+            StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
+                        -(-self.max_model_len // self.block_size), self.device),
+            self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug)
+        logger.info("%s", self.graphs.dispatcher.describe())
+        if self.graphs.dispatcher.captures():
+            with timeline.phase("cudagraphs"):
+                self.graphs.capture_all(self.kv_caches)
 
     @property
     def bytes_per_block(self) -> int:
@@ -119,41 +136,31 @@ class ModelRunner:
         return int(budget) // self.bytes_per_block
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Pack the batch: token ids, positions, attention metadata, and the rows to sample."""
+        """Pack the batch into the step buffers, padded for the graph it goes to: token ids,
+        positions, attention metadata, and the rows to sample."""
         bs = self.block_size
-        ids, positions, slots, starts, seq_lens = [], [], [], [0], []
+        step = PackedStep([], [], [], [s.block_table for s in batch.seqs], [], [0])
         sample_rows, sample_seqs = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids += seq.token_ids[begin:end]
-            positions += range(begin, end)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(begin, end)]
-            starts.append(starts[-1] + n)
-            seq_lens.append(end)
+            step.input_ids += seq.token_ids[begin:end]
+            step.positions += range(begin, end)
+            step.slots += [seq.block_table[p // bs] * bs + p % bs for p in range(begin, end)]
+            step.query_start_loc.append(step.query_start_loc[-1] + n)
+            step.seq_lens.append(end)
             if end == seq.num_tokens:  # caught up: its last logits choose the next token
-                sample_rows.append(starts[-1] - 1)
+                sample_rows.append(step.query_start_loc[-1] - 1)
                 sample_seqs.append(seq)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            max_query_len=max(batch.num_new_tokens), max_seq_len=max(seq_lens),
-            num_actual_tokens=len(ids), seq_lens_cpu=seq_lens, query_start_loc_cpu=starts,
-        )
-        return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
-                          torch.tensor(positions, dtype=torch.long, device=dev), meta,
-                          sample_rows, sample_seqs)
+        uniform_decode = all(n == 1 for n in batch.num_new_tokens)
+        choice, (input_ids, positions, meta) = self.graphs.pack(step, uniform_decode)
+        return StepInputs(input_ids, positions, meta, choice, sample_rows, sample_seqs)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         """Run one step; returns (sequence, next token) for each sequence that caught up."""
         step = self.prepare(batch)
         with set_forward_context(step.attn_metadata, self.kv_caches):
-            hidden = self.compiled(step.input_ids, step.positions)
+            hidden = self.graphs.run(step.graph, step.input_ids, step.positions)
         if not step.sample_seqs:
             return []
         logits = self.model.compute_logits(hidden[step.sample_rows])

@@ -1,0 +1,304 @@
+"""CUDA graph modes: every mode checked against eager, then decode and prefill benchmarked
+side by side with eager and with the floor measured in the same run (a benchmark, not a test).
+
+    python benchmarks/cudagraphs.py --out $OUT                 (on the GPU)
+    python benchmarks/cudagraphs.py --device cpu --check-model tiny-llama --bench-model tiny-llama \
+        --batches 1 4 --prefill 2x64 --out /tmp/x                (the same code paths, graphs passed through)
+
+Check: a tiny fp32 Llama generates greedily from 12 random prompts (continuous batching:
+prefill chunks beside decodes) in every mode; its tokens must equal eager's and its logits
+agree within --check-tol. Benchmark: a Llama-3-8B-shaped random bf16 model; per mode the
+decode step at each batch size with ~128-token contexts (device time of forward + logits
+from CUDA events, and the engine's whole step), capture time and graph memory, and the
+prefill of 8 x 2048-token prompts. The floor of a decode step is the larger of its bytes
+(every weight but the embedding table, plus the KV cache it reads) over the measured copy
+bandwidth and its FLOPs over the measured bf16 matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from kiln import LLM, SamplingParams
+from kiln.config import CompilationConfig
+from kiln.forward_context import set_forward_context
+
+# name -> (-O level, compilation overrides)
+MODES = {
+    "eager": (0, {}),
+    "O2 no graphs": (2, {"cudagraph_mode": "NONE"}),
+    "O2 PIECEWISE": (2, {"cudagraph_mode": "PIECEWISE"}),
+    "O2 FULL": (2, {"cudagraph_mode": "FULL"}),
+    "O2 FULL_DECODE_ONLY": (2, {"cudagraph_mode": "FULL_DECODE_ONLY"}),
+    "O2 FULL_AND_PIECEWISE": (2, {"cudagraph_mode": "FULL_AND_PIECEWISE"}),
+    "eager FULL_DECODE_ONLY": (0, {"cudagraph_mode": "FULL_DECODE_ONLY"}),
+    "eager breakable": (0, {"cudagraph_prefill": {"mode": "breakable"}, "cudagraph_decode": {"mode": "breakable"}}),
+    "static compile decode": (0, {"cudagraph_decode": {"mode": "full", "static_compile": True, "sizes": [1, 8]}}),
+}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
+def build(model: str, device: str, dtype: str, mode: str, max_num_seqs: int, **engine) -> LLM:
+    level, overrides = MODES[mode]
+    return LLM(model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, seed=0,
+               compilation=CompilationConfig.level(level, **overrides), **engine)
+
+
+# ---------------------------------------------------------------------------- check
+
+
+def record_logits(llm: LLM) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    model = llm.engine.runner.model
+    original = model.compute_logits
+
+    def compute_logits(hidden):
+        logits = original(hidden)
+        seen.append(logits.detach().cpu())
+        return logits
+
+    model.compute_logits = compute_logits
+    return seen
+
+
+def check(args) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (int(n),), generator=gen).tolist()
+               for n in torch.randint(5, 90, (12,), generator=gen)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    results, reference = {}, None
+    for mode in MODES:
+        start = time.perf_counter()
+        llm = build(args.check_model, args.device, "float32", mode, max_num_seqs=8,
+                    max_num_batched_tokens=64, num_kv_blocks=512, block_size=16)
+        logits = record_logits(llm)
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        graphs = llm.engine.runner.graphs.stats
+        if reference is None:
+            reference = (tokens, logits)
+            entry = {"tokens_equal": True, "max_logit_diff": 0.0}
+        else:
+            diffs = [float((a - b).abs().max()) for a, b in zip(logits, reference[1]) if a.shape == b.shape]
+            same_shapes = len(diffs) == len(logits) == len(reference[1])
+            entry = {"tokens_equal": tokens == reference[0], "logit_steps_aligned": same_shapes,
+                     "max_logit_diff": max(diffs) if diffs else None}
+            entry["ok"] = entry["tokens_equal"] and same_shapes and entry["max_logit_diff"] <= args.check_tol
+        entry.update(graphs=graphs["num_graphs"], seconds=time.perf_counter() - start)
+        results[mode] = entry
+        print(f"check {mode:24s} {entry}", flush=True)
+        del llm
+        free(args.device)
+    return results
+
+
+# ---------------------------------------------------------------------------- floor
+
+
+def measure_rates(device: str) -> dict:
+    if device != "cuda":
+        return {"copy_bytes_per_s": None, "bf16_flops_per_s": None}
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    sync(device)
+    copy_bw = 2 * src.numel() * 20 / (start.elapsed_time(end) / 1e3)  # bytes read + written
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    start.record()
+    for _ in range(20):
+        a @ b
+    end.record()
+    sync(device)
+    flops = 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3)
+    return {"copy_bytes_per_s": copy_bw, "bf16_flops_per_s": flops}
+
+
+def step_floor(llm: LLM, batch: int, context: int, rates: dict) -> dict:
+    model = llm.engine.runner.model
+    embed = model.model.embed_tokens.weight
+    weights = [p for p in model.parameters() if p is not embed or model.config.tie_word_embeddings]
+    weight_bytes = sum(p.numel() * p.element_size() for p in weights)
+    params = sum(p.numel() for p in weights)
+    runner = llm.engine.runner
+    kv_bytes = batch * context * runner.bytes_per_block // runner.block_size
+    flops = 2 * params * batch
+    out = {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "flops": flops}
+    if rates["copy_bytes_per_s"]:
+        out["floor_ms"] = 1e3 * max((weight_bytes + kv_bytes) / rates["copy_bytes_per_s"],
+                                    flops / rates["bf16_flops_per_s"])
+    return out
+
+
+# ---------------------------------------------------------------------------- benchmark
+
+
+def decode(llm: LLM, batch: int, context: int, device: str, iters: int) -> dict:
+    engine = llm.engine
+    vocab = engine.source.config.vocab_size
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(), params)
+           for _ in range(batch)]
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        engine.step()
+    sync(device)
+    step_ms = (time.perf_counter() - start) / iters * 1e3
+    # Device time of forward + logits alone, on one prepared decode batch.
+    runner = engine.runner
+    sched = engine.scheduler
+    batch_obj = type("B", (), {})()
+    batch_obj.seqs, batch_obj.num_new_tokens = list(sched.running), [1] * len(sched.running)
+    step = runner.prepare(batch_obj)
+    forward_ms = None
+    with torch.inference_mode(), set_forward_context(step.attn_metadata, runner.kv_caches):
+        def once():
+            hidden = runner.graphs.run(step.graph, step.input_ids, step.positions)
+            return runner.model.compute_logits(hidden[step.sample_rows])
+        for _ in range(3):
+            once()
+        sync(device)
+        if device == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(iters):
+                once()
+            end.record()
+            sync(device)
+            forward_ms = begin.elapsed_time(end) / iters
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                once()
+            forward_ms = (time.perf_counter() - t0) / iters * 1e3
+    for request_id in ids:
+        engine.abort_request(request_id)
+    return {"batch": batch, "graph": f"{step.graph.phase} {step.graph.mode} bucket {step.graph.bucket}",
+            "forward_ms": forward_ms, "engine_step_ms": step_ms, "tokens_per_s": batch / step_ms * 1e3}
+
+
+def prefill(llm: LLM, prompts: int, length: int, device: str) -> dict:
+    engine = llm.engine
+    vocab = engine.source.config.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for _ in range(prompts):
+        engine.add_request(torch.randint(0, vocab, (length,), generator=gen).tolist(), params)
+    sync(device)
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    sync(device)
+    seconds = time.perf_counter() - start
+    return {"prompts": prompts, "length": length, "seconds": seconds, "tokens_per_s": prompts * length / seconds}
+
+
+def bench(args, rates: dict) -> dict:
+    results = {}
+    prompts, length = (int(x) for x in args.prefill.split("x"))
+    for mode in args.bench_modes:
+        free(args.device)
+        start = time.perf_counter()
+        llm = build(args.bench_model, args.device, args.dtype, mode, max_num_seqs=max(args.batches),
+                    max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+                    max_model_len=max(length, args.context + 512))
+        startup = time.perf_counter() - start
+        runner = llm.engine.runner
+        entry = {"startup_s": startup, "timeline": llm.engine.timeline.as_dict() if hasattr(
+            llm.engine.timeline, "as_dict") else None, "graphs": dict(runner.graphs.stats),
+                 "dispatch": runner.graphs.dispatcher.describe(), "decode": []}
+        for b in args.batches:
+            r = decode(llm, b, args.context, args.device, args.iters)
+            r.update(step_floor(llm, b, args.context, rates))
+            if r.get("floor_ms"):
+                r["forward_vs_floor"] = r["forward_ms"] / r["floor_ms"]
+            entry["decode"].append(r)
+            print(f"{mode:24s} b{b:<4d} forward+logits {r['forward_ms']:.3f} ms "
+                  f"(floor {r.get('floor_ms', float('nan')):.3f}, x{r.get('forward_vs_floor', float('nan')):.3f}), "
+                  f"engine step {r['engine_step_ms']:.3f} ms, {r['tokens_per_s']:.0f} tok/s [{r['graph']}]", flush=True)
+        if not args.skip_prefill:
+            p = prefill(llm, prompts, length, args.device)
+            if rates["bf16_flops_per_s"]:
+                weights = step_floor(llm, 1, 0, rates)["flops"] / 2
+                p["flops_fraction"] = 2 * weights * p["tokens_per_s"] / rates["bf16_flops_per_s"]
+            entry["prefill"] = p
+            print(f"{mode:24s} prefill {prompts}x{length}: {p['tokens_per_s']:.0f} tok/s"
+                  + (f", {p['flops_fraction']:.2f} of the matmul rate" if "flops_fraction" in p else ""), flush=True)
+        print(f"{mode:24s} graphs {entry['graphs']}", flush=True)
+        results[mode] = entry
+        del llm, runner
+    return results
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--check-model", default="tiny-llama")
+    p.add_argument("--check-tol", type=float, default=1e-3)
+    p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--bench-model", default="llama-3-8b")
+    p.add_argument("--bench-modes", nargs="+", default=list(MODES))
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--prefill", default="8x2048")
+    p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-kv-blocks", type=int, default=6144)
+    args = p.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    unknown = sorted(set(args.bench_modes) - set(MODES))
+    if unknown:
+        p.error(f"unknown modes {unknown}; valid: {list(MODES)}")
+    result = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "bench_model": args.bench_model, "context": args.context}
+    if not args.skip_check:
+        result["check"] = check(args)
+    result["rates"] = measure_rates(args.device)
+    print(f"rates {result['rates']}", flush=True)
+    result["bench"] = bench(args, result["rates"])
+    out = Path(args.out) / f"cudagraphs_{args.bench_model}_{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {out}")
+    if not args.skip_check and not all(r.get("ok", True) for r in result["check"].values()):
+        raise SystemExit("a mode disagrees with eager (see check above)")
+
+
+if __name__ == "__main__":
+    main()

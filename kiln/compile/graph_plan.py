@@ -1,0 +1,128 @@
+"""Which CUDA graph runs a step: the bucket ladder, the padding table, the per-phase choice.
+
+Pure bookkeeping, no CUDA: the same decisions are made (and unit-tested) on the CPU, where
+the graph layer itself passes every call through.
+
+A step is padded up to the next captured bucket, so a handful of graphs serve every batch
+size: a uniform decode batch (every sequence adds one token) goes to the decode phase's
+graphs, anything else to the prefill phase's; a decode batch larger than the decode
+phase's largest bucket falls back to the prefill phase, and a batch above both runs
+without a graph.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # kiln.config imports kiln.ops, whose attention imports kiln.compile
+    from kiln.config import CompilationConfig, PhaseGraphs
+
+DEFAULT_MAX_CAPTURE_SIZE = 512
+
+
+def capture_ladder(max_size: int) -> list[int]:
+    """1, 2, 4, then steps of 8 to 256, then steps of 16, up to and including max_size."""
+    ladder = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, max_size + 1, 16))
+    sizes = [n for n in ladder if n <= max_size]
+    if sizes[-1] != max_size:
+        sizes.append(max_size)  # so every batch up to the max has a bucket
+    return sizes
+
+
+class BucketTable:
+    """bucket_for(n): the smallest captured size >= n, looked up in a precomputed table."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sorted(set(sizes))
+        top = self.sizes[-1] if self.sizes else 0
+        self._table = [None] + [self.sizes[bisect.bisect_left(self.sizes, n)] for n in range(1, top + 1)]
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1] if self.sizes else 0
+
+    def bucket_for(self, n: int) -> int | None:
+        return self._table[n] if 0 < n < len(self._table) else None
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    name: str  # "prefill" | "decode"
+    mode: str  # full | piecewise | breakable | none
+    compiler: str  # inductor | eager
+    buckets: BucketTable
+    static_compile: bool = False
+    static_max_batch: int = 0
+
+
+@dataclass(frozen=True)
+class GraphChoice:
+    phase: str
+    mode: str  # the graph mode that runs this step; "none" = no graph
+    compiler: str
+    bucket: int | None  # the padded size; None without a graph
+
+    def padded(self, num_tokens: int) -> int:
+        return self.bucket if self.bucket is not None else num_tokens
+
+
+def phase_plan(name: str, phase: PhaseGraphs, sizes: list[int], limit: int) -> PhasePlan:
+    """Buckets of one phase: its own sizes, else the global ones, capped by its max batch and
+    by what one step can hold (`limit`: tokens for prefill, sequences for decode)."""
+    cap = min(phase.max_batch or limit, limit)
+    if phase.static_compile:
+        cap = min(cap, phase.static_max_batch)
+    chosen = [n for n in (phase.sizes or sizes) if n <= cap]
+    if phase.mode == "none":
+        chosen = []
+    return PhasePlan(name, phase.mode, phase.compiler, BucketTable(chosen), phase.static_compile,
+                     phase.static_max_batch)
+
+
+class GraphDispatcher:
+    """Picks the graph (or none) for each step, and the bucket it is padded to."""
+
+    def __init__(self, prefill: PhasePlan, decode: PhasePlan, enabled: bool):
+        self.prefill, self.decode, self.enabled = prefill, decode, enabled
+
+    @classmethod
+    def from_config(cls, config: CompilationConfig, max_num_seqs: int, max_num_batched_tokens: int,
+                    enabled: bool) -> "GraphDispatcher":
+        """enabled=False (the CPU): every step runs without a graph, through the same choice."""
+        top = config.max_cudagraph_capture_size or min(2 * max_num_seqs, DEFAULT_MAX_CAPTURE_SIZE)
+        sizes = [n for n in (config.cudagraph_capture_sizes or capture_ladder(top)) if n <= top]
+        prefill = phase_plan("prefill", config.phase_graphs("prefill"), sizes, max_num_batched_tokens)
+        decode = phase_plan("decode", config.phase_graphs("decode"), sizes,
+                            min(max_num_seqs, max_num_batched_tokens))
+        return cls(prefill, decode, enabled)
+
+    def choose(self, num_tokens: int, uniform_decode: bool) -> GraphChoice:
+        phases = (self.decode, self.prefill) if uniform_decode else (self.prefill,)
+        if self.enabled:
+            for phase in phases:
+                bucket = phase.buckets.bucket_for(num_tokens)
+                if bucket is not None:
+                    return GraphChoice(phase.name, phase.mode, phase.compiler, bucket)
+        first = phases[0]
+        # SGLang's path: decode batches past the statically compiled buckets run eagerly.
+        compiler = "eager" if first.static_compile else first.compiler
+        return GraphChoice(first.name, "none", compiler, None)
+
+    def captures(self) -> list[tuple[PhasePlan, int]]:
+        """Every (phase, bucket) to capture, largest first so that smaller graphs fit in the
+        memory the larger ones leave in the shared pool."""
+        if not self.enabled:
+            return []
+        todo = [(p, n) for p in (self.prefill, self.decode) for n in p.buckets.sizes]
+        return sorted(todo, key=lambda item: (-item[1], item[0].name))
+
+    def describe(self) -> str:
+        parts = []
+        for p in (self.prefill, self.decode):
+            sizes = p.buckets.sizes
+            span = f"{len(sizes)} buckets up to {sizes[-1]}" if sizes else "no buckets"
+            extra = f", static compile up to {p.static_max_batch}" if p.static_compile else ""
+            parts.append(f"{p.name} {p.mode} ({p.compiler}{extra}, {span})")
+        return "CUDA graphs: " + ("; ".join(parts) if self.enabled else "off (no CUDA device): calls pass through")

@@ -1,0 +1,156 @@
+"""CUDA graph capture and replay: whole forwards (full) and single compiled pieces (piecewise).
+
+Every graph of a model draws from one shared memory pool and is captured largest bucket
+first, so a smaller graph reuses the memory a larger one needed. That is safe because the
+graphs never run concurrently and a tensor is dead once the op after it has read it: the
+only tensors that must outlive a replay are the outputs, and those are held weakly (a view
+that does not own its memory), so capturing the next graph may reuse what they occupy.
+The caller must read a replay's output before it replays another graph.
+
+Inputs of a graph are read from the addresses seen at capture: the caller keeps its
+inputs in static buffers (sliced the same way each time), and each piece's inputs are the
+previous pieces' outputs. With debug on, every replay checks those addresses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from kiln.compile.monitor import logger
+
+
+def weak_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over t's memory that does not keep that memory alive."""
+    storage = torch._C._construct_storage_from_data_pointer(
+        t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
+def weak_outputs(value):
+    return pytree.tree_map_only(torch.Tensor, weak_view, value)
+
+
+def tensor_addresses(args) -> list[int]:
+    return [x.data_ptr() for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+
+
+class GraphPool:
+    """The memory pool, capture stream and bookkeeping shared by all graphs of one model."""
+
+    def __init__(self, device: torch.device, debug: bool = False):
+        self.device, self.debug = device, debug
+        self.handle = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+        self.num_graphs = 0
+        self.capture_s = 0.0
+        self._collect = True
+        self._gc_was_enabled = True
+
+    @contextlib.contextmanager
+    def capturing(self):
+        """Around one forward's captures: on the capture stream, and garbage collection only
+        before the first graph (each capture would otherwise run gc.collect, ~ms each)."""
+        self._collect = True
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        torch.cuda.synchronize(self.device)
+        self.capture_s += time.perf_counter() - start
+
+    def capture(self, fn: Callable, *args) -> tuple["CapturedGraph", object]:
+        """Capture fn(*args); returns the graph and fn's output, strongly held: the caller keeps
+        it while later captures of the same forward read it, then drops it (the graph keeps
+        only a weak view)."""
+        graph = self.begin()
+        try:
+            out = fn(*args)
+        finally:
+            self.end(graph)
+        return CapturedGraph(graph, weak_outputs(out), tensor_addresses(args) if self.debug else None), out
+
+    def begin(self) -> torch.cuda.CUDAGraph:
+        if self._collect:
+            gc.collect()
+            self._collect = False
+        # gc off until end(): a collection during capture could free a tensor a captured kernel uses.
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.handle)
+        return graph
+
+    def end(self, graph: torch.cuda.CUDAGraph) -> None:
+        try:
+            graph.capture_end()
+        finally:
+            if self._gc_was_enabled:
+                gc.enable()
+        self.num_graphs += 1
+
+
+class CapturedGraph:
+    def __init__(self, graph: torch.cuda.CUDAGraph, output, addresses: list[int] | None):
+        self.graph, self.output, self.addresses = graph, output, addresses
+
+    def replay(self, *args):
+        if self.addresses is not None:
+            now = tensor_addresses(args)
+            if now != self.addresses:
+                moved = [i for i, (a, b) in enumerate(zip(now, self.addresses)) if a != b]
+                raise RuntimeError(f"CUDA graph replay: input tensor(s) {moved or 'count'} are not where they "
+                                   f"were at capture; a graph reads its inputs from fixed addresses, so the "
+                                   f"caller must pass the same static buffers")
+        self.graph.replay()
+        return self.output
+
+
+class PiecewiseGraphs:
+    """One CUDA graph per (compiled piece, bucket). The split graph runs as usual; each piece
+    call replays its graph for the active bucket, while the opaque regions between pieces
+    (attention) run eagerly. Outside `replaying`/`capturing` calls pass through."""
+
+    def __init__(self):
+        self.pool: GraphPool | None = None
+        self.bucket: int | None = None
+        self.action: str | None = None  # "replay" | "capture" | None: pass through
+        self.num_pieces = 0
+
+    @contextlib.contextmanager
+    def active(self, bucket: int, action: str):
+        self.bucket, self.action = bucket, action
+        try:
+            yield
+        finally:
+            self.bucket = self.action = None
+
+    def wrap(self, piece: Callable) -> Callable:
+        self.num_pieces += 1
+        return GraphedPiece(piece, self)
+
+
+class GraphedPiece:
+    def __init__(self, piece: Callable, graphs: PiecewiseGraphs):
+        self.piece, self.graphs = piece, graphs
+        self.by_bucket: dict[int, CapturedGraph] = {}
+
+    def __call__(self, *args):
+        graphs = self.graphs
+        if graphs.action is None:
+            return self.piece(*args)
+        if graphs.action == "replay":
+            return self.by_bucket[graphs.bucket].replay(*args)
+        self.by_bucket[graphs.bucket], out = graphs.pool.capture(self.piece, *args)
+        return out
+
+
+def log_capture(pool: GraphPool, memory_bytes: int) -> None:
+    logger.info("captured %d CUDA graphs in %.2f s, %.2f GiB of graph memory", pool.num_graphs,
+                pool.capture_s, memory_bytes / 2**30)

@@ -1,0 +1,134 @@
+"""The model forward of each step, through the CUDA graph its batch was dispatched to.
+
+Captured at start-up, after the KV cache exists (a full graph's attention reads it):
+every (phase, bucket) the dispatcher can pick, largest first, into one memory pool. Each
+capture is preceded by one ordinary run of the same shape, so that nothing compiles,
+autotunes or allocates lazily inside the capture. On the CPU nothing is captured and
+every call passes through (with the same dispatch and padding, when enabled).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kiln.compile import CompiledModel
+from kiln.compile.breakable import capture_breakable
+from kiln.compile.graph_plan import GraphChoice, GraphDispatcher, PhasePlan
+from kiln.compile.graphs import GraphPool, log_capture
+from kiln.engine.step_buffers import PackedStep, StepBuffers
+from kiln.forward_context import set_forward_context
+
+logger = logging.getLogger("kiln")
+
+
+class ForwardGraphs:
+    def __init__(self, model: nn.Module, compiled: CompiledModel, dispatcher: GraphDispatcher,
+                 buffers: StepBuffers, max_model_len: int, max_num_seqs: int, debug: bool = False):
+        self.model, self.compiled, self.dispatcher, self.buffers = model, compiled, dispatcher, buffers
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.device = buffers.device
+        self.split_names = {op.name for op in compiled.split_ops}
+        self.pool = GraphPool(self.device, debug) if self.device.type == "cuda" else None
+        self.graphs: dict[tuple[str, int], object] = {}  # (phase, bucket) -> captured graph
+        self.static_forward: Callable | None = None  # SGLang's path: one static compile per bucket
+        self.stats = {"num_graphs": 0, "capture_s": 0.0, "graph_memory_bytes": 0, "buckets": 0}
+
+    # ------------------------------------------------------------------ per step
+
+    def pack(self, step: PackedStep, uniform_decode: bool) -> tuple[GraphChoice, tuple]:
+        """Choose the graph for this step and write its padded inputs; returns the choice and
+        (input ids, positions, metadata)."""
+        choice = self.dispatcher.choose(step.num_tokens, uniform_decode)
+        num_tokens = choice.padded(step.num_tokens)
+        if choice.mode == "full":
+            num_seqs, max_query_len, max_seq_len = self._full_shape(choice.phase, choice.bucket)
+        else:
+            num_seqs = len(step.seq_lens)
+            max_query_len = max(b - a for a, b in zip(step.query_start_loc, step.query_start_loc[1:]))
+            max_seq_len = max(step.seq_lens)
+        return choice, self.buffers.load(step, num_tokens, num_seqs, max_query_len, max_seq_len)
+
+    def run(self, choice: GraphChoice, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the (padded) step; valid until the next call. Call inside the
+        step's forward context."""
+        graph = self.graphs.get((choice.phase, choice.bucket))
+        if graph is not None:
+            if choice.mode == "piecewise":
+                with self.compiled.piece_graphs.active(choice.bucket, "replay"):
+                    return self.compiled(input_ids, positions)
+            return graph.replay(input_ids, positions) if choice.mode == "full" else graph.replay()
+        return self._forward(choice)(input_ids, positions)
+
+    # ------------------------------------------------------------------ capture
+
+    def capture_all(self, kv_caches: dict[str, torch.Tensor]) -> dict:
+        """Capture every graph the dispatcher can choose; returns stats for the timeline."""
+        todo = self.dispatcher.captures()
+        if self.pool is None or not todo:
+            return self.stats
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        start = time.perf_counter()
+        for phase, bucket in todo:
+            self._capture(phase, bucket, kv_caches)
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.stats.update(num_graphs=self.pool.num_graphs, capture_s=time.perf_counter() - start,
+                          graph_memory_bytes=used, buckets=len(todo))
+        log_capture(self.pool, used)
+        return self.stats
+
+    def _capture(self, phase: PhasePlan, bucket: int, kv_caches: dict[str, torch.Tensor]) -> None:
+        choice = GraphChoice(phase.name, phase.mode, phase.compiler, bucket)
+        # No real tokens: a graph records launches and addresses, and the kernels' grids depend
+        # only on shapes, so an all-padding step captures the same graph as a real one.
+        empty = PackedStep([], [], [], [], [], [0])
+        if phase.mode == "full":
+            num_seqs, max_query_len, max_seq_len = self._full_shape(phase.name, bucket)
+        else:
+            num_seqs, max_query_len, max_seq_len = 0, 1, 1
+        ids, pos, meta = self.buffers.load(empty, bucket, num_seqs, max_query_len, max_seq_len)
+        forward = self._forward(choice)
+        with set_forward_context(meta, kv_caches), torch.inference_mode():
+            with self.pool.capturing():
+                forward(ids, pos)  # warm-up: compiles, autotunes and allocates outside the capture
+            with self.pool.capturing():
+                if phase.mode == "full":
+                    graph, _ = self.pool.capture(forward, ids, pos)
+                elif phase.mode == "breakable":
+                    graph, _ = capture_breakable(self.pool, forward, (ids, pos), self.split_names)
+                else:
+                    with self.compiled.piece_graphs.active(bucket, "capture"):
+                        forward(ids, pos)
+                    graph = "piecewise"  # the graphs live in the pieces
+        self.graphs[(phase.name, bucket)] = graph
+
+    def _full_shape(self, phase: str, bucket: int) -> tuple[int, int, int]:
+        """(sequences, max query len, max context) a full graph of `bucket` is captured with:
+        a decode bucket is `bucket` one-token sequences; a mixed one holds up to max_num_seqs
+        sequences with long queries. The context bound is the model's, so the attention
+        launch splits long decode contexts as it would for any length."""
+        if phase == "decode":
+            return bucket, 1, self.max_model_len
+        return min(bucket, self.max_num_seqs, self.buffers.max_seqs), bucket, self.max_model_len
+
+    def _forward(self, choice: GraphChoice) -> Callable:
+        if choice.phase == "decode" and choice.mode == "full" and self.dispatcher.decode.static_compile:
+            return self._static_forward()
+        return self.compiled if choice.compiler == "inductor" else self.model
+
+    def _static_forward(self) -> Callable:
+        """SGLang's decode path: the whole forward compiled by Inductor for each bucket's exact
+        shape (dynamic=False); CUDA graphs hide the guard checks, which run only at capture."""
+        if self.static_forward is None:
+            limit = len(self.dispatcher.decode.buckets.sizes) + 8
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+            self.static_forward = torch.compile(self.model, dynamic=False, fullgraph=True)
+        return self.static_forward
