@@ -85,27 +85,37 @@ def check(args) -> dict:
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     results, reference = {}, None
     for mode in MODES:
-        start = time.perf_counter()
-        llm = build(args.check_model, args.device, "float32", mode, max_num_seqs=8,
-                    max_num_batched_tokens=64, num_kv_blocks=512, block_size=16)
-        logits = record_logits(llm)
-        tokens = [o.token_ids for o in llm.generate(prompts, params)]
-        graphs = llm.engine.runner.graphs.stats
+        try:
+            results[mode] = check_mode(args, mode, prompts, params, reference)
+        except Exception as e:  # one broken mode must not hide the others' results
+            import traceback
+
+            traceback.print_exc()
+            results[mode] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         if reference is None:
-            reference = (tokens, logits)
-            entry = {"tokens_equal": True, "max_logit_diff": 0.0}
-        else:
-            diffs = [float((a - b).abs().max()) for a, b in zip(logits, reference[1]) if a.shape == b.shape]
-            same_shapes = len(diffs) == len(logits) == len(reference[1])
-            entry = {"tokens_equal": tokens == reference[0], "logit_steps_aligned": same_shapes,
-                     "max_logit_diff": max(diffs) if diffs else None}
-            entry["ok"] = entry["tokens_equal"] and same_shapes and entry["max_logit_diff"] <= args.check_tol
-        entry.update(graphs=graphs["num_graphs"], seconds=time.perf_counter() - start)
-        results[mode] = entry
-        print(f"check {mode:24s} {entry}", flush=True)
-        del llm
+            reference = results[mode].pop("_reference")
+        print(f"check {mode:24s} {results[mode]}", flush=True)
         free(args.device)
     return results
+
+
+def check_mode(args, mode, prompts, params, reference) -> dict:
+    start = time.perf_counter()
+    llm = build(args.check_model, args.device, "float32", mode, max_num_seqs=8,
+                max_num_batched_tokens=64, num_kv_blocks=512, block_size=16)
+    logits = record_logits(llm)
+    tokens = [o.token_ids for o in llm.generate(prompts, params)]
+    graphs = llm.engine.runner.graphs.stats
+    if reference is None:
+        entry = {"tokens_equal": True, "max_logit_diff": 0.0, "_reference": (tokens, logits)}
+    else:
+        diffs = [float((a - b).abs().max()) for a, b in zip(logits, reference[1]) if a.shape == b.shape]
+        same_shapes = len(diffs) == len(logits) == len(reference[1])
+        entry = {"tokens_equal": tokens == reference[0], "logit_steps_aligned": same_shapes,
+                 "max_logit_diff": max(diffs) if diffs else None}
+        entry["ok"] = entry["tokens_equal"] and same_shapes and entry["max_logit_diff"] <= args.check_tol
+    entry.update(graphs=graphs["num_graphs"], seconds=time.perf_counter() - start)
+    return entry
 
 
 # ---------------------------------------------------------------------------- floor
@@ -231,36 +241,45 @@ def bench(args, rates: dict) -> dict:
     prompts, length = (int(x) for x in args.prefill.split("x"))
     for mode in args.bench_modes:
         free(args.device)
-        start = time.perf_counter()
-        llm = build(args.bench_model, args.device, args.dtype, mode, max_num_seqs=max(args.batches),
-                    max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-                    max_model_len=max(length, args.context + 512))
-        startup = time.perf_counter() - start
-        runner = llm.engine.runner
-        entry = {"startup_s": startup, "timeline": llm.engine.timeline.as_dict() if hasattr(
-            llm.engine.timeline, "as_dict") else None, "graphs": dict(runner.graphs.stats),
-                 "dispatch": runner.graphs.dispatcher.describe(), "decode": []}
-        for b in args.batches:
-            r = decode(llm, b, args.context, args.device, args.iters)
-            r.update(step_floor(llm, b, args.context, rates))
-            if r.get("floor_ms"):
-                r["forward_vs_floor"] = r["forward_ms"] / r["floor_ms"]
-            entry["decode"].append(r)
-            print(f"{mode:24s} b{b:<4d} forward+logits {r['forward_ms']:.3f} ms "
-                  f"(floor {r.get('floor_ms', float('nan')):.3f}, x{r.get('forward_vs_floor', float('nan')):.3f}), "
-                  f"engine step {r['engine_step_ms']:.3f} ms, {r['tokens_per_s']:.0f} tok/s [{r['graph']}]", flush=True)
-        if not args.skip_prefill:
-            p = prefill(llm, prompts, length, args.device)
-            if rates["bf16_flops_per_s"]:
-                weights = step_floor(llm, 1, 0, rates)["flops"] / 2
-                p["flops_fraction"] = 2 * weights * p["tokens_per_s"] / rates["bf16_flops_per_s"]
-            entry["prefill"] = p
-            print(f"{mode:24s} prefill {prompts}x{length}: {p['tokens_per_s']:.0f} tok/s"
-                  + (f", {p['flops_fraction']:.2f} of the matmul rate" if "flops_fraction" in p else ""), flush=True)
-        print(f"{mode:24s} graphs {entry['graphs']}", flush=True)
-        results[mode] = entry
-        del llm, runner
+        try:
+            results[mode] = bench_mode(args, mode, rates, prompts, length)
+        except Exception as e:  # one broken mode must not hide the others' results
+            import traceback
+
+            traceback.print_exc()
+            results[mode] = {"error": f"{type(e).__name__}: {e}"}
     return results
+
+
+def bench_mode(args, mode, rates, prompts, length) -> dict:
+    start = time.perf_counter()
+    llm = build(args.bench_model, args.device, args.dtype, mode, max_num_seqs=max(args.batches),
+                max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+                max_model_len=max(length, args.context + 512))
+    startup = time.perf_counter() - start
+    runner = llm.engine.runner
+    entry = {"startup_s": startup, "timeline": llm.engine.timeline.as_dict() if hasattr(
+        llm.engine.timeline, "as_dict") else None, "graphs": dict(runner.graphs.stats),
+             "dispatch": runner.graphs.dispatcher.describe(), "decode": []}
+    for b in args.batches:
+        r = decode(llm, b, args.context, args.device, args.iters)
+        r.update(step_floor(llm, b, args.context, rates))
+        if r.get("floor_ms"):
+            r["forward_vs_floor"] = r["forward_ms"] / r["floor_ms"]
+        entry["decode"].append(r)
+        print(f"{mode:24s} b{b:<4d} forward+logits {r['forward_ms']:.3f} ms "
+              f"(floor {r.get('floor_ms', float('nan')):.3f}, x{r.get('forward_vs_floor', float('nan')):.3f}), "
+              f"engine step {r['engine_step_ms']:.3f} ms, {r['tokens_per_s']:.0f} tok/s [{r['graph']}]", flush=True)
+    if not args.skip_prefill:
+        p = prefill(llm, prompts, length, args.device)
+        if rates["bf16_flops_per_s"]:
+            weights = step_floor(llm, 1, 0, rates)["flops"] / 2
+            p["flops_fraction"] = 2 * weights * p["tokens_per_s"] / rates["bf16_flops_per_s"]
+        entry["prefill"] = p
+        print(f"{mode:24s} prefill {prompts}x{length}: {p['tokens_per_s']:.0f} tok/s"
+              + (f", {p['flops_fraction']:.2f} of the matmul rate" if "flops_fraction" in p else ""), flush=True)
+    print(f"{mode:24s} graphs {entry['graphs']}", flush=True)
+    return entry
 
 
 def main():
