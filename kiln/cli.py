@@ -20,6 +20,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--custom-ops", default="", help="e.g. 'none,+rms_norm' (one base: all or none)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over N processes kiln starts itself: one per GPU, or gloo processes on CPU")
 
 
 def _engine_config(args):
@@ -30,7 +32,7 @@ def _engine_config(args):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        custom_ops=[s for s in args.custom_ops.split(",") if s])
+        custom_ops=[s for s in args.custom_ops.split(",") if s], tensor_parallel_size=args.tensor_parallel_size)
 
 
 def cmd_generate(args) -> int:
@@ -109,7 +111,7 @@ def cmd_bench(args) -> int:
 
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     workload = Workload.default(device, args.model, batches=args.batches, context=args.context, modes=args.modes,
-                                timed_steps=args.steps, dtype=args.dtype)
+                                timed_steps=args.steps, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     result = run_bench(workload)
     print(render(result))
     out = Path(args.out)
@@ -204,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--modes", nargs="+", default=None, help="of eager stock once O2 O3 (default: all)")
     bench.add_argument("--out", default=".", help="folder for bench_<model>_<device>.json and .png")
     bench.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    bench.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="run every mode on N processes (one per GPU; gloo processes on CPU)")
     bench.set_defaults(func=cmd_bench)
     warm = sub.add_parser("prewarm", help="compile everything a server needs into the compile cache; "
                                           "print what the entry covers")

@@ -40,6 +40,9 @@ class EngineConfig:
     # Processes that share the model, each with a shard of every layer: one per GPU on CUDA,
     # gloo processes on CPU. kiln starts them itself (kiln.distributed.launcher).
     tensor_parallel_size: int = 1
+    # Processes that share the model, each with a shard of every layer: one per GPU on CUDA,
+    # gloo processes on CPU. kiln starts them itself (kiln.distributed.launcher).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -64,6 +67,12 @@ class EngineConfig:
                 raise ValueError(f"enforce_eager contradicts compilation mode {self.compilation.mode}; drop one")
             self.compilation = CompilationConfig.level(0)
         resolve_custom_ops(self.custom_ops, "none")  # a bad list fails now, not at build time
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp > 1 and self.torch_device.type == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs (one process each) but torch sees "
+                             f"{torch.cuda.device_count()}; lower it to at most {torch.cuda.device_count()}")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")

@@ -7,6 +7,7 @@ so a traced graph holds a constant that means the same group on every rank and e
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -21,14 +22,32 @@ class TensorParallelState:
     group_name: str
 
 
+SINGLE = TensorParallelState(rank=0, size=1, group_name=TP_GROUP)
+
 # name -> group; None is the group of one process (no torch.distributed needed).
 _groups: dict[str, dist.ProcessGroup | None] = {TP_GROUP: None}
-_tp = TensorParallelState(rank=0, size=1, group_name=TP_GROUP)
+_joined: TensorParallelState = SINGLE  # the group this process has joined
+_building: TensorParallelState = SINGLE  # the state layers built now shard for
 
 
 def tp_state() -> TensorParallelState:
-    """The tensor-parallel state layers are built against (rank 0 of 1 unless initialised)."""
-    return _tp
+    """The tensor-parallel state a layer built now shards its weights for."""
+    return _building
+
+
+@contextlib.contextmanager
+def building_for(state: TensorParallelState):
+    """Layers built inside this block hold rank `state.rank`'s shard of `state.size`.
+
+    Scoped like custom_ops: joining a group does not make every model built later in the
+    process sharded, only the one its runner builds here.
+    """
+    global _building
+    previous, _building = _building, state
+    try:
+        yield
+    finally:
+        _building = previous
 
 
 def group_size(name: str) -> int:
@@ -56,18 +75,19 @@ def init_tensor_parallel(rank: int, size: int, backend: str, init_method: str) -
     objects. The tensor-parallel group is a second communicator on `backend` (gloo on CPU,
     NCCL on GPU) for the model's collectives.
     """
-    global _tp
-    if _tp.size > 1:
-        raise RuntimeError(f"tensor parallelism is already initialised in this process ({_tp})")
+    global _joined
+    if _joined.size > 1:
+        raise RuntimeError(f"this process already runs tensor-parallel rank {_joined.rank} of {_joined.size}; "
+                           f"shut that engine down first (one tensor-parallel engine per process)")
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
     _groups[TP_GROUP] = dist.new_group(list(range(size)), backend=backend)
-    _tp = TensorParallelState(rank=rank, size=size, group_name=TP_GROUP)
-    return _tp
+    _joined = TensorParallelState(rank=rank, size=size, group_name=TP_GROUP)
+    return _joined
 
 
 def destroy_tensor_parallel() -> None:
-    global _tp
+    global _joined
     if dist.is_initialized():
         dist.destroy_process_group()
     _groups[TP_GROUP] = None
-    _tp = TensorParallelState(rank=0, size=1, group_name=TP_GROUP)
+    _joined = SINGLE

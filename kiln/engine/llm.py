@@ -35,6 +35,10 @@ class LLM:
                     done[out.request_id] = out
         return [done[i] for i in ids]
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (they also stop at exit)."""
+        self.engine.shutdown()
+
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Like generate, with each conversation rendered by the model's chat template."""

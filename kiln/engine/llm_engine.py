@@ -15,6 +15,7 @@ from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.sequence import Sequence
 from kiln.engine.timeline import StartupTimeline
+from kiln.engine.tp_runner import TensorParallelRunner
 from kiln.loader import load_source
 
 logger = logging.getLogger("kiln")
@@ -45,7 +46,10 @@ class LLMEngine:
             self.source = load_source(config.model)
             self.tokenizer = self.source.tokenizer
             self.max_model_len = self._max_model_len()
-        self.runner = ModelRunner(config, self.source, self.timeline)
+        if config.tensor_parallel_size > 1:
+            self.runner = TensorParallelRunner(config, self.source, self.timeline)
+        else:
+            self.runner = ModelRunner(config, self.source, self.timeline)
         capacity = self.runner.num_blocks * config.block_size
         if capacity < self.max_model_len:
             raise ValueError(
@@ -104,6 +108,11 @@ class LLMEngine:
         seq = self.seqs.pop(request_id, None)
         if seq is not None and not seq.finished:
             self.scheduler.finish(seq, "abort")
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (they also stop at exit)."""
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.shutdown()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -9,6 +9,7 @@ from torch import nn
 
 from kiln.models.config import ModelArchConfig
 from kiln.models.llama import LlamaForCausalLM
+from kiln.models.parallel_layers import ShardedLayer
 from kiln.ops import enabled_custom_ops
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -50,11 +51,17 @@ def build_model(cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
 
 def _init_random(model: nn.Module) -> None:
     gen = torch.Generator(device="cpu").manual_seed(0)
+    modules = dict(model.named_modules())
     for name, p in model.named_parameters():
+        owner = modules[name.rpartition(".")[0]]
         if p.dim() == 1:
             p.fill_(1.0)
         elif p.is_cuda:
             # Fill on the device: an 8B model drawn on the host would take minutes.
             p.normal_(0.0, 0.02)
+        elif isinstance(owner, ShardedLayer):
+            # Draw the whole tensor and keep this rank's shard: every tensor-parallel size
+            # then runs the same model, so their outputs can be compared.
+            owner.load_weight(torch.randn(owner.full_weight_shape, generator=gen) * 0.02)
         else:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)

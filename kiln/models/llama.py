@@ -4,25 +4,40 @@ Tokens of every sequence in a step are packed along one dim: input_ids and posit
 [num_tokens], hidden states [num_tokens, hidden]. Attention finds each token's sequence
 in the forward context. There is no Python branch on a shape or a value anywhere in the
 forward: the compile pipeline traces it once and drops the guards.
+
+Under tensor parallelism (kiln.distributed) each rank builds the same classes with its
+share of the heads and of the MLP's intermediate features: q/k/v and gate/up are
+column-parallel, o_proj and down_proj row-parallel (their all-reduce is the only
+communication in a layer), and the embedding and LM head split the vocabulary.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from kiln.compile import compile_dynamic
+from kiln.distributed import tp_state
 from kiln.models.config import ModelArchConfig
+from kiln.models.parallel_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardedLayer,
+    VocabParallelEmbedding,
+    per_rank,
+)
 from kiln.ops import Attention, RMSNorm, RotaryEmbedding, SiluAndMul
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], what="intermediate_size")
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, what="intermediate_size")
         self.act = SiluAndMul()
 
     def forward(self, x):
@@ -32,12 +47,15 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, layer_name: str):
         super().__init__()
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        size = tp_state().size
+        num_heads = per_rank(cfg.num_heads, "num_heads", size)
+        num_kv_heads = per_rank(cfg.num_kv_heads, "num_kv_heads", size)
+        self.q_size, self.kv_size = num_heads * cfg.head_dim, num_kv_heads * cfg.head_dim
+        q_full, kv_full = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_full, kv_full, kv_full], what="attention heads")
+        self.o_proj = RowParallelLinear(q_full, cfg.hidden_size, what="attention heads")
         self.rotary_emb = rotary
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layer_name)
+        self.attn = Attention(num_heads, num_kv_heads, cfg.head_dim, layer_name)
 
     def forward(self, positions, x):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -68,7 +86,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.head_dim, cfg.max_position_embeddings,
                                  cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, i) for i in range(cfg.num_layers))
@@ -94,7 +112,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], gather_output=True,
+                                            what="vocab_size")
         self.tie_weights()
 
     def tie_weights(self):
@@ -108,19 +127,28 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def _shard_sizes(self, fused: str) -> list[int]:
-        c = self.config
-        if fused == "qkv_proj":
-            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        return [c.intermediate_size, c.intermediate_size]
+    @staticmethod
+    def check_tensor_parallel(cfg: ModelArchConfig, size: int) -> None:
+        """Fail before any process starts if `size` ranks cannot share this model evenly."""
+        counts = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+                  "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
+        uneven = [f"{name}={n}" for name, n in counts.items() if n % size]
+        if uneven:
+            common = math.gcd(*counts.values())
+            sizes = [d for d in range(1, common + 1) if common % d == 0]
+            raise ValueError(f"tensor_parallel_size={size} does not divide {', '.join(uneven)} of this "
+                             f"model; sizes that divide all of {', '.join(counts)}: "
+                             f"{', '.join(map(str, sizes))}")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into this model's (possibly fused) parameters.
+        """Copy checkpoint tensors (HF names) into this model's (possibly fused) parameters;
+        a sharded layer keeps its rank's slice of each.
 
         The model must already have storage (built on meta, then `to_empty`). Every
         parameter must be written exactly once; a missing or unknown one is an error.
         """
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         written: set[tuple[str, int]] = set()
         for ckpt_name, tensor in weights:
             target, shard = ckpt_name, None
@@ -133,20 +161,22 @@ class LlamaForCausalLM(nn.Module):
                         ckpt_name == "lm_head.weight" and self.config.tie_word_embeddings):
                     continue
                 raise KeyError(f"checkpoint tensor {ckpt_name!r} has no place in {type(self).__name__}")
-            param = params[target].data
-            if shard is not None:
-                sizes = self._shard_sizes(target.split(".")[-2])
-                param = param.narrow(0, sum(sizes[:shard]), sizes[shard])
-            if tuple(param.shape) != tuple(tensor.shape):
+            owner = modules[target.rpartition(".")[0]]
+            if isinstance(owner, ShardedLayer):
+                try:
+                    owner.load_weight(tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"{ckpt_name} -> {target}: {e}") from None
+            elif tuple(params[target].shape) != tuple(tensor.shape):
                 raise ValueError(f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)} does not fit "
-                                 f"{target} slice of shape {tuple(param.shape)}")
-            param.copy_(tensor)
+                                 f"{target} of shape {tuple(params[target].shape)}")
+            else:
+                params[target].data.copy_(tensor)
             written.add((target, shard or 0))
-        fused_names = {fused for fused, _ in self.FUSED.values()}
         missing = []
         for name in params:
-            fused = name.split(".")[-2]
-            shards = len(self._shard_sizes(fused)) if fused in fused_names else 1
+            owner = modules[name.rpartition(".")[0]]
+            shards = len(owner.output_sizes) if isinstance(owner, ColumnParallelLinear) else 1
             missing += [f"{name}[{i}]" for i in range(shards) if (name, i) not in written]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

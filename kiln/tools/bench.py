@@ -55,6 +55,7 @@ class Workload:
     timed_steps: int = 10
     profiled_steps: int = 2
     modes: list[str] = field(default_factory=lambda: list(MODES))
+    tensor_parallel_size: int = 1
 
     @classmethod
     def default(cls, device: str, model: str | None = None, **overrides) -> "Workload":
@@ -115,7 +116,8 @@ def run_mode(name: str, w: Workload) -> ModeResult:
     try:
         llm = LLM(w.model, device=w.device, dtype=w.dtype, max_num_seqs=max(w.batches),
                   max_num_batched_tokens=2048, max_model_len=w.context + w.max_tokens + 16,
-                  num_kv_blocks=max(w.batches) * blocks_per_seq + 8, compilation=config())
+                  num_kv_blocks=max(w.batches) * blocks_per_seq + 8, compilation=config(),
+                  tensor_parallel_size=w.tensor_parallel_size)
     except Exception as e:  # one mode that cannot start must not lose the others' numbers
         result.error = f"{type(e).__name__}: {e}".splitlines()[0]
         return result
@@ -125,6 +127,7 @@ def run_mode(name: str, w: Workload) -> ModeResult:
         p = result.points[-1]
         print(f"  {label}, batch {batch}: {p.step_ms:.2f} ms a decode step, {p.ops_per_step:.0f} ops", flush=True)
     result.compile_stats = llm.engine.runner.compiled.stats
+    llm.shutdown()  # the next mode starts its own tensor-parallel workers
     del llm
     gc.collect()
     if w.device == "cuda":
@@ -234,13 +237,15 @@ def matmul_params(cfg: ModelArchConfig) -> int:
     return c.num_layers * (attn + 3 * c.hidden_size * c.intermediate_size) + c.vocab_size * c.hidden_size
 
 
-def floor_for(cfg: ModelArchConfig, elem: int, floor: Floor, batch: int, seq_len: float) -> dict:
+def floor_for(cfg: ModelArchConfig, elem: int, floor: Floor, batch: int, seq_len: float, ranks: int = 1) -> dict:
+    """The floor of one step; with `ranks` devices each reads and multiplies its 1/ranks share
+    at once (the all-reduces are left out: a floor, not a model)."""
     c = cfg
     kv_bytes = batch * seq_len * c.num_layers * 2 * c.num_kv_heads * c.head_dim * elem
     attn_flops = 4 * batch * seq_len * c.num_layers * c.num_heads * c.head_dim  # q.k and p.v
     flops = 2 * batch * matmul_params(cfg) + attn_flops
-    memory_ms = (floor.weight_bytes + kv_bytes) / floor.copy_bytes_per_s * 1e3
-    compute_ms = flops / floor.matmul_flops_per_s * 1e3
+    memory_ms = (floor.weight_bytes + kv_bytes) / ranks / floor.copy_bytes_per_s * 1e3
+    compute_ms = flops / ranks / floor.matmul_flops_per_s * 1e3
     return {"batch": batch, "step_ms": max(memory_ms, compute_ms), "bound": "memory" if memory_ms >= compute_ms
             else "compute", "memory_ms": memory_ms, "compute_ms": compute_ms, "bytes": floor.weight_bytes + kv_bytes,
             "flops": flops}
@@ -296,7 +301,8 @@ def run_bench(w: Workload) -> dict:
     elem = torch.empty(0, dtype=dtype).element_size()
     floor = Floor(measure_copy(w.device, dtype), measure_matmul(w.device, dtype), decode_weight_bytes(cfg, elem))
     lens = {p.batch: p.mean_seq_len for m in modes for p in m.points}
-    floor.per_batch = [floor_for(cfg, elem, floor, b, lens.get(b, w.context)) for b in w.batches]
+    floor.per_batch = [floor_for(cfg, elem, floor, b, lens.get(b, w.context), w.tensor_parallel_size)
+                       for b in w.batches]
     return {"workload": asdict(w), "environment": environment(w), "floor": asdict(floor),
             "modes": [asdict(m) for m in modes], "vllm": vllm_status(w),
             "ops_per_step_means": ops_label(w.device)}
@@ -324,7 +330,8 @@ def render(result: dict) -> str:
     env = result["environment"]
     unit = "kernels" if w["device"] == "cuda" else "ops*"
     lines = [
-        f"kiln bench: {w['model']} {w['dtype']} on {env.get('gpu', w['device'])} ({env['threads']} threads), "
+        f"kiln bench: {w['model']} {w['dtype']} on {env.get('gpu', w['device'])} ({env['threads']} threads"
+        f"{', tensor parallel ' + str(w['tensor_parallel_size']) if w.get('tensor_parallel_size', 1) > 1 else ''}), "
         f"{w['context']}-token contexts, median of {w['timed_steps']} decode steps, {env['date']}",
         f"floor: {floor['weight_bytes'] / 1e6:,.1f} MB of weights a step + KV cache, at "
         f"{floor['copy_bytes_per_s'] / 1e9:.1f} GB/s (copy); matmul FLOPs at "

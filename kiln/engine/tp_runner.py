@@ -1,0 +1,133 @@
+"""The model runner of a tensor-parallel engine: rank 0 here, the other ranks in workers.
+
+Rank 0 is the engine's own process: it schedules, samples, and runs a ModelRunner over its
+shard of the model. Every other rank runs a ModelRunner over its shard in a worker
+process (kiln.distributed.launcher) and mirrors rank 0 step by step:
+
+    start-up  every rank builds its runner (sharded weights, compile, KV cache) at once:
+              the warm-up forwards hold collectives, so ranks must build side by side;
+              each worker then answers with its KV-cache block count, and the engine
+              schedules with the smallest, which every rank holds.
+    step      rank 0 sends a StepRequest (per sequence: position, new token ids, block
+              table) before its own forward; each worker rebuilds a batch from it and runs
+              ModelRunner.execute on it, the very code rank 0 runs, so both issue the same
+              collectives in the same order (the all-reduces in the forward, the all-gather
+              of the logits). Workers sample greedily and drop the tokens; rank 0's count.
+    stop      rank 0 sends None; workers leave the process group and exit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kiln.config import EngineConfig
+from kiln.distributed import TensorParallelState, building_for, destroy_tensor_parallel
+from kiln.distributed.launcher import Workers, join_as_rank0
+from kiln.engine.runner import ModelRunner
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.scheduler import ScheduledBatch
+from kiln.engine.sequence import Sequence
+from kiln.engine.timeline import StartupTimeline
+from kiln.loader import ModelSource, load_source
+from kiln.models import model_class
+
+logger = logging.getLogger("kiln")
+
+
+@dataclass
+class SequenceStep:
+    """What ModelRunner.prepare reads of one sequence, for one step."""
+
+    num_computed_tokens: int
+    new_token_ids: list[int]  # token_ids[num_computed_tokens : num_computed_tokens + n]
+    block_table: list[int]
+    num_tokens: int
+
+
+@dataclass
+class StepRequest:
+    seqs: list[SequenceStep]
+    num_new_tokens: list[int]
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch) -> "StepRequest":
+        return cls([SequenceStep(s.num_computed_tokens, s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n],
+                                 list(s.block_table), s.num_tokens)
+                    for s, n in zip(batch.seqs, batch.num_new_tokens)], list(batch.num_new_tokens))
+
+    def batch(self) -> ScheduledBatch:
+        return ScheduledBatch([_StepSequence(s) for s in self.seqs], self.num_new_tokens)
+
+
+class _TokenWindow:
+    """A sequence's token ids as a worker knows them: only this step's, indexed by absolute
+    position like Sequence.token_ids (sending whole contexts every step would cost O(context))."""
+
+    def __init__(self, begin: int, ids: list[int]):
+        self.begin, self.ids = begin, ids
+
+    def __getitem__(self, window: slice) -> list[int]:
+        if not self.begin <= window.start <= window.stop <= self.begin + len(self.ids):
+            raise IndexError(f"a worker knows tokens [{self.begin}, {self.begin + len(self.ids)}) of this "
+                             f"sequence, not [{window.start}, {window.stop})")
+        return self.ids[window.start - self.begin:window.stop - self.begin]
+
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+class _StepSequence:
+    """Stands in for a Sequence on a worker: what prepare reads, and a greedy sample."""
+
+    def __init__(self, step: SequenceStep):
+        self.num_computed_tokens = step.num_computed_tokens
+        self.token_ids = _TokenWindow(step.num_computed_tokens, step.new_token_ids)
+        self.block_table = step.block_table
+        self._num_tokens = step.num_tokens
+        self.params, self.generator = _GREEDY, None
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's ModelRunner: launches the other ranks, then mirrors every step to them."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, timeline: StartupTimeline):
+        size = config.tensor_parallel_size
+        model_class(source.config.architecture).check_tensor_parallel(source.config, size)
+        self.workers = Workers(size, config.torch_device.type, _serve_steps, (config,))
+        try:
+            with timeline.phase("tensor_parallel_group"):
+                self.tp = join_as_rank0(self.workers)
+            with building_for(self.tp):
+                super().__init__(config, source, timeline)
+            worker_blocks = self.workers.gather()
+        except BaseException:
+            self.shutdown()
+            raise
+        if min(worker_blocks) < self.num_blocks:
+            logger.info("KV cache: using %d blocks, the most every rank holds", min(worker_blocks))
+            self.num_blocks = min(worker_blocks)
+        logger.info("tensor parallel: %d ranks over %s (%s), this process rank 0", size,
+                    config.torch_device.type, self.workers.backend)
+
+    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        self.workers.send(StepRequest.of(batch))
+        return super().execute(batch)
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the process group (an engine can be made again after)."""
+        self.workers.shutdown()
+        destroy_tensor_parallel()
+
+
+def _serve_steps(state: TensorParallelState, conn, config: EngineConfig) -> None:
+    """A worker's life: build this rank's runner, report its KV-cache size, run steps until None."""
+    with building_for(state):
+        runner = ModelRunner(config, load_source(config.model), StartupTimeline())
+    conn.send(runner.num_blocks)
+    while (request := conn.recv()) is not None:
+        runner.execute(request.batch())
