@@ -84,7 +84,7 @@ def check(args) -> dict:
                for n in torch.randint(5, 90, (12,), generator=gen)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     results, reference = {}, None
-    for mode in MODES:
+    for mode in args.check_modes:
         try:
             results[mode] = check_mode(args, mode, prompts, params, reference)
         except Exception as e:  # one broken mode must not hide the others' results
@@ -289,6 +289,8 @@ def main():
     p.add_argument("--check-model", default="tiny-llama")
     p.add_argument("--check-tol", type=float, default=1e-3)
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--check-modes", nargs="+", default=list(MODES))
+    p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--bench-model", default="llama-3-8b")
     p.add_argument("--bench-modes", nargs="+", default=list(MODES))
     p.add_argument("--dtype", default=None)
@@ -301,7 +303,7 @@ def main():
     p.add_argument("--num-kv-blocks", type=int, default=6144)
     args = p.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    unknown = sorted(set(args.bench_modes) - set(MODES))
+    unknown = sorted((set(args.bench_modes) | set(args.check_modes)) - set(MODES))
     if unknown:
         p.error(f"unknown modes {unknown}; valid: {list(MODES)}")
     result = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -310,7 +312,8 @@ def main():
         result["check"] = check(args)
     result["rates"] = measure_rates(args.device)
     print(f"rates {result['rates']}", flush=True)
-    result["bench"] = bench(args, result["rates"])
+    if not args.skip_bench:
+        result["bench"] = bench(args, result["rates"])
     out = Path(args.out) / f"cudagraphs_{args.bench_model}_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))

@@ -34,6 +34,7 @@ class ForwardGraphs:
         self.device = buffers.device
         self.split_names = {op.name for op in compiled.split_ops}
         self.pool = GraphPool(self.device, debug) if self.device.type == "cuda" else None
+        compiled.piece_graphs.pool = self.pool
         self.graphs: dict[tuple[str, int], object] = {}  # (phase, bucket) -> captured graph
         self.static_forward: Callable | None = None  # SGLang's path: one static compile per bucket
         self.stats = {"num_graphs": 0, "capture_s": 0.0, "graph_memory_bytes": 0, "buckets": 0}

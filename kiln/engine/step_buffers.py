@@ -42,10 +42,7 @@ class StepBuffers:
         self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
-        # Host staging: one copy per buffer, from pinned memory on the GPU.
-        pin = device.type == "cuda"
-        self._host_tokens = torch.zeros(3, max_tokens, dtype=torch.long, pin_memory=pin)
-        self._host_seqs = torch.zeros(2, max_seqs + 1, dtype=torch.int32, pin_memory=pin)
+        self._pin = device.type == "cuda"
 
     def load(self, step: PackedStep, num_tokens: int, num_seqs: int, max_query_len: int,
              max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -56,27 +53,29 @@ class StepBuffers:
         if num_tokens > self.max_tokens or num_seqs > self.max_seqs or n > num_tokens or s > num_seqs:
             raise ValueError(f"a step of {n} tokens / {s} sequences padded to {num_tokens} / {num_seqs} "
                              f"does not fit buffers of {self.max_tokens} / {self.max_seqs}")
-        tokens = self._host_tokens[:, :num_tokens]
+        # Fresh host staging each step, pinned on the GPU: torch's caching host allocator does not
+        # hand the memory out again until the asynchronous copy from it has run (a reused buffer
+        # would race a step that does not sample, and so never synchronises).
+        tokens = torch.empty(3, num_tokens, dtype=torch.long, pin_memory=self._pin)
         tokens[0, :n] = torch.tensor(step.input_ids, dtype=torch.long)
         tokens[1, :n] = torch.tensor(step.positions, dtype=torch.long)
         tokens[2, :n] = torch.tensor(step.slots, dtype=torch.long)
         tokens[:2, n:] = 0
         tokens[2, n:] = -1
-        seqs = self._host_seqs[:, : num_seqs + 1]
+        seqs = torch.empty(2, num_seqs + 1, dtype=torch.int32, pin_memory=self._pin)
         seqs[0, :s] = torch.tensor(step.seq_lens, dtype=torch.int32)
         seqs[0, s:] = 0
         seqs[1, : s + 1] = torch.tensor(step.query_start_loc, dtype=torch.int32)
         seqs[1, s + 1:] = n
-        blocking = self.device.type != "cuda"
-        self.input_ids[:num_tokens].copy_(tokens[0], non_blocking=not blocking)
-        self.positions[:num_tokens].copy_(tokens[1], non_blocking=not blocking)
-        self.slot_mapping[:num_tokens].copy_(tokens[2], non_blocking=not blocking)
-        self.seq_lens[:num_seqs].copy_(seqs[0, :num_seqs], non_blocking=not blocking)
-        self.query_start_loc[: num_seqs + 1].copy_(seqs[1], non_blocking=not blocking)
+        self.input_ids[:num_tokens].copy_(tokens[0], non_blocking=self._pin)
+        self.positions[:num_tokens].copy_(tokens[1], non_blocking=self._pin)
+        self.slot_mapping[:num_tokens].copy_(tokens[2], non_blocking=self._pin)
+        self.seq_lens[:num_seqs].copy_(seqs[0, :num_seqs], non_blocking=self._pin)
+        self.query_start_loc[: num_seqs + 1].copy_(seqs[1], non_blocking=self._pin)
         if step.block_tables:
             width = max(len(t) for t in step.block_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables], dtype=torch.int32)
-            self.block_tables[:s, :width].copy_(tables, non_blocking=not blocking)
+            self.block_tables[:s, :width].copy_(tables, non_blocking=self._pin)
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens], block_tables=self.block_tables[:num_seqs],
             seq_lens=self.seq_lens[:num_seqs], query_start_loc=self.query_start_loc[: num_seqs + 1],
