@@ -9,7 +9,11 @@ must be equal.
 """
 
 import contextlib
+import json
 import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +115,15 @@ def test_indivisible_model_is_a_startup_error():
 def test_bad_tensor_parallel_size(size):
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         LLM("tiny-llama", device="cpu", tensor_parallel_size=size)
+
+
+def test_tp_decode_benchmark_runs_on_cpu(tmp_path):
+    """benchmarks/tp_decode.py's CPU path (the GPU run is the lead's): one row per TP size."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "tp_decode.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--model", "tiny-llama", "--tp", "1", "2",
+                           "--modes", "eager", "--batches", "2", "--context", "16", "--steps", "2",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "tp_decode_tiny-llama_cpu.json").read_text())
+    assert [(r["tp"], r["mode"], len(r["points"])) for r in result["runs"]] == [(1, "eager", 1), (2, "eager", 1)]
+    assert set(result["floor"]) == {"tp1", "tp2"}
