@@ -170,7 +170,36 @@ def step_floor(llm: LLM, batch: int, context: int, rates: dict) -> dict:
 # ---------------------------------------------------------------------------- benchmark
 
 
-def decode(llm: LLM, batch: int, context: int, device: str, iters: int) -> dict:
+GEMM_NAMES = ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "cublas", "splitk")
+
+
+def kernel_profile(once, device: str, steps: int = 5) -> dict | None:
+    """Where the device time of one forward goes: kernels by category, and the top ones."""
+    if device != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            once()
+        sync(device)
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    cats: dict[str, list[float]] = {}
+    for e in events:
+        name = e.key.lower()
+        cat = ("gemm" if any(g in name for g in GEMM_NAMES) else "attention" if "attention" in name
+               or "merge_splits" in name else "kv_write" if "write_kv" in name else "other")
+        entry = cats.setdefault(cat, [0.0, 0])
+        entry[0] += e.self_device_time_total / steps / 1e3
+        entry[1] += e.count / steps
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
+    return {"kernel_ms": sum(c[0] for c in cats.values()), "kernels": sum(c[1] for c in cats.values()),
+            "by_category": {k: {"ms": v[0], "count": v[1]} for k, v in cats.items()},
+            "top": [{"name": e.key[:100], "ms": e.self_device_time_total / steps / 1e3, "count": e.count / steps}
+                    for e in top]}
+
+
+def decode(llm: LLM, batch: int, context: int, device: str, iters: int, profile_steps: bool = False) -> dict:
     engine = llm.engine
     vocab = engine.source.config.vocab_size
     gen = torch.Generator().manual_seed(batch)
@@ -214,10 +243,12 @@ def decode(llm: LLM, batch: int, context: int, device: str, iters: int) -> dict:
             for _ in range(iters):
                 once()
             forward_ms = (time.perf_counter() - t0) / iters * 1e3
+        profile = kernel_profile(once, device) if profile_steps else None
     for request_id in ids:
         engine.abort_request(request_id)
     return {"batch": batch, "graph": f"{step.graph.phase} {step.graph.mode} bucket {step.graph.bucket}",
-            "forward_ms": forward_ms, "engine_step_ms": step_ms, "tokens_per_s": batch / step_ms * 1e3}
+            "forward_ms": forward_ms, "engine_step_ms": step_ms, "tokens_per_s": batch / step_ms * 1e3,
+            "profile": profile}
 
 
 def prefill(llm: LLM, prompts: int, length: int, device: str) -> dict:
@@ -262,7 +293,7 @@ def bench_mode(args, mode, rates, prompts, length) -> dict:
         llm.engine.timeline, "as_dict") else None, "graphs": dict(runner.graphs.stats),
              "dispatch": runner.graphs.dispatcher.describe(), "decode": []}
     for b in args.batches:
-        r = decode(llm, b, args.context, args.device, args.iters)
+        r = decode(llm, b, args.context, args.device, args.iters, args.profile)
         r.update(step_floor(llm, b, args.context, rates))
         if r.get("floor_ms"):
             r["forward_vs_floor"] = r["forward_ms"] / r["floor_ms"]
@@ -270,6 +301,12 @@ def bench_mode(args, mode, rates, prompts, length) -> dict:
         print(f"{mode:24s} b{b:<4d} forward+logits {r['forward_ms']:.3f} ms "
               f"(floor {r.get('floor_ms', float('nan')):.3f}, x{r.get('forward_vs_floor', float('nan')):.3f}), "
               f"engine step {r['engine_step_ms']:.3f} ms, {r['tokens_per_s']:.0f} tok/s [{r['graph']}]", flush=True)
+        if r["profile"]:
+            prof = r["profile"]
+            print(f"    kernels {prof['kernel_ms']:.3f} ms in {prof['kernels']:.0f} launches; " + ", ".join(
+                f"{k} {v['ms']:.3f} ms x{v['count']:.0f}" for k, v in prof["by_category"].items()), flush=True)
+            for k in prof["top"][:8]:
+                print(f"      {k['ms']:.3f} ms x{k['count']:.0f} {k['name']}", flush=True)
     if not args.skip_prefill:
         p = prefill(llm, prompts, length, args.device)
         if rates["bf16_flops_per_s"]:
@@ -278,7 +315,16 @@ def bench_mode(args, mode, rates, prompts, length) -> dict:
         entry["prefill"] = p
         print(f"{mode:24s} prefill {prompts}x{length}: {p['tokens_per_s']:.0f} tok/s"
               + (f", {p['flops_fraction']:.2f} of the matmul rate" if "flops_fraction" in p else ""), flush=True)
-    print(f"{mode:24s} graphs {entry['graphs']}", flush=True)
+    if runner.graphs.pool is not None and runner.graphs.dispatcher.captures():
+        # Capture again in the same process: Triton's and Inductor's kernels are compiled now, as
+        # on a restart with warm caches; the difference is kernel compilation during the first.
+        from kiln.engine.forward_graphs import ForwardGraphs
+
+        g = runner.graphs
+        again = ForwardGraphs(g.model, g.compiled, g.dispatcher, g.buffers, g.max_model_len, g.max_num_seqs)
+        entry["graphs_recaptured"] = dict(again.capture_all(runner.kv_caches))
+        runner.graphs = again
+    print(f"{mode:24s} graphs {entry['graphs']} recaptured {entry.get('graphs_recaptured')}", flush=True)
     return entry
 
 
@@ -299,6 +345,7 @@ def main():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--prefill", default="8x2048")
     p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--profile", action="store_true", help="kernel breakdown of each decode forward")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int, default=6144)
     args = p.parse_args()

@@ -51,6 +51,9 @@ def build_model(cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
 
 def _init_random(model: nn.Module) -> None:
     gen = torch.Generator(device="cpu").manual_seed(0)
+    # Seeded on the device too: every build of a preset must get the same weights, or two
+    # engines (eager beside compiled) cannot be compared.
+    device_gen = {}
     modules = dict(model.named_modules())
     for name, p in model.named_parameters():
         owner = modules[name.rpartition(".")[0]]
@@ -58,7 +61,9 @@ def _init_random(model: nn.Module) -> None:
             p.fill_(1.0)
         elif p.is_cuda:
             # Fill on the device: an 8B model drawn on the host would take minutes.
-            p.normal_(0.0, 0.02)
+            if p.device not in device_gen:
+                device_gen[p.device] = torch.Generator(device=p.device).manual_seed(0)
+            p.normal_(0.0, 0.02, generator=device_gen[p.device])
         elif isinstance(owner, ShardedLayer):
             # Draw the whole tensor and keep this rank's shard: every tensor-parallel size
             # then runs the same model, so their outputs can be compared.

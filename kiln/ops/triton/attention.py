@@ -154,7 +154,9 @@ def _attend(q, query_pos, key_begin, key_end, block_table_ptr, key_cache_ptr, va
     return acc, row_max, row_sum
 
 
-@triton.jit
+# num_seqs changes with the batch: specialising on its value (1, multiples of 16) would
+# compile the kernel again for CUDA-graph buckets that need no new code.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, num_seqs, scale_log2,
@@ -212,7 +214,7 @@ def _paged_attention_kernel(
         tl.store(partial_acc_ptr + partial_row[:, None] * BLOCK_DIM + dims[None, :], acc, mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _merge_splits_kernel(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr,
                          num_seqs, out_token_stride, out_head_stride,
                          HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, KV_SPLITS: tl.constexpr):
