@@ -49,14 +49,24 @@ class GraphPool:
         self.stream = torch.cuda.Stream(device)
         self.num_graphs = 0
         self.capture_s = 0.0
-        self._collect = True
-        self._gc_was_enabled = True
+
+    @contextlib.contextmanager
+    def session(self):
+        """Around all captures of a start-up: one garbage collection before the first graph,
+        none after (a collection during a capture could free memory a captured kernel uses;
+        one before each capture would cost a full heap walk, ~0.1 s with compilers loaded)."""
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            yield
+        finally:
+            if was_enabled:
+                gc.enable()
 
     @contextlib.contextmanager
     def capturing(self):
-        """Around one forward's captures: on the capture stream, and garbage collection only
-        before the first graph (each capture would otherwise run gc.collect, ~ms each)."""
-        self._collect = True
+        """Around one forward's captures: on the capture stream, finished when it ends."""
         torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         with torch.cuda.stream(self.stream):
@@ -77,22 +87,12 @@ class GraphPool:
         return CapturedGraph(graph, weak_outputs(out), tensor_addresses(args) if self.debug else None), out
 
     def begin(self) -> torch.cuda.CUDAGraph:
-        if self._collect:
-            gc.collect()
-            self._collect = False
-        # gc off until end(): a collection during capture could free a tensor a captured kernel uses.
-        self._gc_was_enabled = gc.isenabled()
-        gc.disable()
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.handle)
         return graph
 
     def end(self, graph: torch.cuda.CUDAGraph) -> None:
-        try:
-            graph.capture_end()
-        finally:
-            if self._gc_was_enabled:
-                gc.enable()
+        graph.capture_end()
         self.num_graphs += 1
 
 

@@ -75,8 +75,9 @@ class ForwardGraphs:
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
-        for phase, bucket in todo:
-            self._capture(phase, bucket, kv_caches)
+        with self.pool.session():
+            for phase, bucket in todo:
+                self._capture(phase, bucket, kv_caches)
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         self.stats.update(num_graphs=self.pool.num_graphs, capture_s=time.perf_counter() - start,

@@ -314,11 +314,13 @@ def _check_attention_inputs(query: torch.Tensor, kv_cache: torch.Tensor, out: to
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, *, kv_splits: int | None = None) -> None:
+                    meta: AttentionMetadata, scale: float, *, kv_splits: int | None = None,
+                    tiles: AttentionTiles | None = None) -> None:
     """out[t] = causal attention of query[t] over its sequence's paged context (out is written in place).
 
     query, out: [T, Hq, D] (query may be a strided view); kv_cache: [2, blocks, block_size, Hkv, D].
     kv_splits: ranges per context (a power of two); None picks one from the batch shape.
+    tiles: the tile shape; None picks one (benchmarks/attention_tiles.py compares them).
     """
     _check_attention_inputs(query, kv_cache, out, meta)
     num_seqs = meta.seq_lens.shape[0]
@@ -327,7 +329,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
     num_heads = query.shape[1]
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     group = num_heads // num_kv_heads
-    tiles = choose_tiles(meta.max_query_len, group, head_dim)
+    tiles = tiles or choose_tiles(meta.max_query_len, group, head_dim)
     splits = choose_kv_splits(meta, num_kv_heads, query.device) if kv_splits is None else kv_splits
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"paged_attention: kv_splits must be a power of two, got {splits}")

@@ -1,0 +1,108 @@
+"""Decode attention tile shapes and KV splits, timed inside CUDA graphs (a benchmark, not a test).
+
+    python benchmarks/attention_tiles.py --out $OUT          (on the GPU)
+
+For Llama-3-8B's attention (32 query heads, 8 kv heads, head dim 128, bf16) and decode
+batches with ~128-token contexts (and longer ones at batch 1), each (block_n, num_warps,
+kv_splits) is launched 32 times in one CUDA graph, like the 32 layers of a step, and
+compared with what paged_attention picks by itself. Bandwidth is the KV bytes read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+from kiln.forward_context import AttentionMetadata
+from kiln.ops.triton.attention import AttentionTiles, choose_kv_splits, choose_tiles, paged_attention
+
+HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
+LAYERS = 32
+
+
+def decode_batch(batch: int, context: int, device: str):
+    blocks_per_seq = -(-context // BLOCK)
+    kv = torch.randn(2, batch * blocks_per_seq + 1, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16, device=device)
+    tables = torch.randperm(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq).int() + 1
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.long, device=device), block_tables=tables,
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        max_query_len=1, max_seq_len=context, num_actual_tokens=batch,
+        seq_lens_cpu=[context] * batch, query_start_loc_cpu=list(range(batch + 1)))
+    q = torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device=device)
+    return q, kv, meta
+
+
+def time_graph(fn, iters: int = 20) -> float:
+    """ms per call of fn, replayed LAYERS times per graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(LAYERS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters / LAYERS
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    device = "cuda"
+    cases = [(1, 128), (8, 128), (64, 128), (256, 128), (1, 2048), (1, 8192), (8, 2048)]
+    results = []
+    for batch, context in cases:
+        q, kv, meta = decode_batch(batch, context, device)
+        out = torch.empty_like(q)
+        reference = torch.empty_like(q)
+        paged_attention(q, kv, reference, meta, DIM**-0.5)
+        kv_bytes = batch * context * KV_HEADS * DIM * 2 * 2
+        default_tiles = choose_tiles(1, HEADS // KV_HEADS, DIM)
+        default_splits = choose_kv_splits(meta, KV_HEADS, q.device)
+        rows = []
+        for block_n, warps, splits in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 4, 8, 16)):
+            if splits > 1 and context // splits < block_n:
+                continue
+            tiles = AttentionTiles(block_m=16, block_n=block_n, num_warps=warps)
+
+            def run(tiles=tiles, splits=splits):
+                paged_attention(q, kv, out, meta, DIM**-0.5, kv_splits=splits, tiles=tiles)
+
+            try:
+                ms = time_graph(run)
+            except Exception as e:  # a tile that does not fit (shared memory, registers)
+                rows.append({"block_n": block_n, "num_warps": warps, "kv_splits": splits, "error": str(e)[:120]})
+                continue
+            err = float((out.float() - reference.float()).abs().max())
+            rows.append({"block_n": block_n, "num_warps": warps, "kv_splits": splits, "us": ms * 1e3,
+                         "tb_per_s": kv_bytes / (ms / 1e3) / 1e12, "max_err": err})
+        ok = [r for r in rows if "us" in r]
+        best = min(ok, key=lambda r: r["us"])
+        default = next(r for r in ok if r["block_n"] == default_tiles.block_n
+                       and r["num_warps"] == default_tiles.num_warps and r["kv_splits"] == default_splits)
+        results.append({"batch": batch, "context": context, "kv_bytes": kv_bytes, "default": default,
+                        "best": best, "all": rows})
+        print(f"b{batch:<4d} ctx {context:5d}: default (n{default['block_n']} w{default['num_warps']} "
+              f"s{default['kv_splits']}) {default['us']:.1f} us {default['tb_per_s']:.2f} TB/s; best (n{best['block_n']} "
+              f"w{best['num_warps']} s{best['kv_splits']}) {best['us']:.1f} us {best['tb_per_s']:.2f} TB/s", flush=True)
+    path = Path(args.out) / "attention_tiles_cuda.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"torch": torch.__version__, "cases": results}, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
