@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 TP_GROUP = "tp"
@@ -80,7 +81,12 @@ def init_tensor_parallel(rank: int, size: int, backend: str, init_method: str) -
         raise RuntimeError(f"this process already runs tensor-parallel rank {_joined.rank} of {_joined.size}; "
                            f"shut that engine down first (one tensor-parallel engine per process)")
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
-    _groups[TP_GROUP] = dist.new_group(list(range(size)), backend=backend)
+    group = dist.new_group(list(range(size)), backend=backend)
+    # Connect now: NCCL builds its communicator at the first collective, which must not fall
+    # inside a CUDA graph capture; and a rank that cannot connect fails here, at start-up.
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    _groups[TP_GROUP] = group
     _joined = TensorParallelState(rank=rank, size=size, group_name=TP_GROUP)
     return _joined
 
