@@ -127,3 +127,23 @@ def test_tp_decode_benchmark_runs_on_cpu(tmp_path):
     result = json.loads((tmp_path / "tp_decode_tiny-llama_cpu.json").read_text())
     assert [(r["tp"], r["mode"], len(r["points"])) for r in result["runs"]] == [(1, "eager", 1), (2, "eager", 1)]
     assert set(result["floor"]) == {"tp1", "tp2"}
+
+
+def _failing_worker(state, conn) -> None:
+    raise RuntimeError("worker boom")
+
+
+def test_a_worker_failure_reaches_rank0_with_its_traceback():
+    workers = Workers(2, "cpu", _failing_worker, ())
+    try:
+        state = join_as_rank0(workers)
+        with pytest.raises(RuntimeError, match=r"(?s)rank 1 failed:.*worker boom"):
+            # Rank 0's collective fails once the worker has gone; the worker's own error is the news.
+            try:
+                torch.ops.kiln.all_reduce(torch.ones(2), state.group_name)
+            except RuntimeError:
+                workers.raise_failure(timeout_s=5)
+                raise
+    finally:
+        workers.shutdown()
+        destroy_tensor_parallel()

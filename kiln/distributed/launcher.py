@@ -83,6 +83,17 @@ class Workers:
             replies.append(reply)
         return replies
 
+    def raise_failure(self, timeout_s: float) -> None:
+        """Raise the first failure a worker reported within `timeout_s`, if any: rank 0's own
+        error (a collective whose peer left) says less than the worker's traceback."""
+        for conn in self._conns:
+            try:
+                reply = conn.recv() if conn.poll(timeout_s) else None
+            except (EOFError, OSError):
+                continue
+            if isinstance(reply, WorkerFailure):
+                raise RuntimeError(f"tensor-parallel rank {reply.rank} failed:\n{reply.traceback}")
+
     def shutdown(self) -> None:
         """Ask every worker to stop, wait for it, terminate the ones that do not."""
         atexit.unregister(self.shutdown)

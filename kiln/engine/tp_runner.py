@@ -105,9 +105,12 @@ class TensorParallelRunner(ModelRunner):
             with building_for(self.tp):
                 super().__init__(config, source, timeline)
             worker_blocks = self.workers.gather()
-        except BaseException:
-            self.shutdown()
-            raise
+        except BaseException as error:
+            try:
+                self.workers.raise_failure(timeout_s=5)
+            finally:
+                self.shutdown()
+            raise error
         if min(worker_blocks) < self.num_blocks:
             logger.info("KV cache: using %d blocks, the most every rank holds", min(worker_blocks))
             self.num_blocks = min(worker_blocks)
@@ -116,7 +119,11 @@ class TensorParallelRunner(ModelRunner):
 
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         self.workers.send(StepRequest.of(batch))
-        return super().execute(batch)
+        try:
+            return super().execute(batch)
+        except Exception:
+            self.workers.raise_failure(timeout_s=5)
+            raise
 
     def shutdown(self) -> None:
         """Stop the workers and leave the process group (an engine can be made again after)."""
