@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.config import CompilationConfig
+from kiln.config import DEFAULT_GPU_GRAPHS, CompilationConfig
 from kiln.forward_context import set_forward_context
 
 # name -> (-O level, compilation overrides)
@@ -40,6 +40,7 @@ MODES = {
     "eager FULL_DECODE_ONLY": (0, {"cudagraph_mode": "FULL_DECODE_ONLY"}),
     "eager breakable": (0, {"cudagraph_prefill": {"mode": "breakable"}, "cudagraph_decode": {"mode": "breakable"}}),
     "static compile decode": (0, {"cudagraph_decode": {"mode": "full", "static_compile": True, "sizes": [1, 8]}}),
+    "default (eager, breakable + full)": (0, DEFAULT_GPU_GRAPHS),
 }
 
 
@@ -218,10 +219,8 @@ def decode(llm: LLM, batch: int, context: int, device: str, iters: int, profile_
     step_ms = (time.perf_counter() - start) / iters * 1e3
     # Device time of forward + logits alone, on one prepared decode batch.
     runner = engine.runner
-    sched = engine.scheduler
-    batch_obj = type("B", (), {})()
-    batch_obj.seqs, batch_obj.num_new_tokens = list(sched.running), [1] * len(sched.running)
-    step = runner.prepare(batch_obj)
+    scheduled = engine.scheduler.schedule()  # allocates the next slot; never executed, then aborted
+    step = runner.prepare(scheduled)
     forward_ms = None
     with torch.inference_mode(), set_forward_context(step.attn_metadata, runner.kv_caches):
         def once():
@@ -267,8 +266,8 @@ def prefill(llm: LLM, prompts: int, length: int, device: str) -> dict:
     return {"prompts": prompts, "length": length, "seconds": seconds, "tokens_per_s": prompts * length / seconds}
 
 
-def bench(args, rates: dict) -> dict:
-    results = {}
+def bench(args, rates: dict, result: dict) -> dict:
+    results = result["bench"] = {}
     prompts, length = (int(x) for x in args.prefill.split("x"))
     for mode in args.bench_modes:
         free(args.device)
@@ -279,7 +278,15 @@ def bench(args, rates: dict) -> dict:
 
             traceback.print_exc()
             results[mode] = {"error": f"{type(e).__name__}: {e}"}
+        write(args, result)  # after every mode: a run cut short keeps what it measured
     return results
+
+
+def write(args, result: dict) -> Path:
+    out = Path(args.out) / f"cudagraphs_{args.bench_model}_{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    return out
 
 
 def bench_mode(args, mode, rates, prompts, length) -> dict:
@@ -293,7 +300,14 @@ def bench_mode(args, mode, rates, prompts, length) -> dict:
         llm.engine.timeline, "as_dict") else None, "graphs": dict(runner.graphs.stats),
              "dispatch": runner.graphs.dispatcher.describe(), "decode": []}
     for b in args.batches:
-        r = decode(llm, b, args.context, args.device, args.iters, args.profile)
+        try:
+            r = decode(llm, b, args.context, args.device, args.iters, args.profile)
+        except Exception as e:  # keep the other batch sizes
+            import traceback
+
+            traceback.print_exc()
+            entry["decode"].append({"batch": b, "error": f"{type(e).__name__}: {e}"})
+            continue
         r.update(step_floor(llm, b, args.context, rates))
         if r.get("floor_ms"):
             r["forward_vs_floor"] = r["forward_ms"] / r["floor_ms"]
@@ -315,7 +329,7 @@ def bench_mode(args, mode, rates, prompts, length) -> dict:
         entry["prefill"] = p
         print(f"{mode:24s} prefill {prompts}x{length}: {p['tokens_per_s']:.0f} tok/s"
               + (f", {p['flops_fraction']:.2f} of the matmul rate" if "flops_fraction" in p else ""), flush=True)
-    if runner.graphs.pool is not None and runner.graphs.dispatcher.captures():
+    if mode in args.recapture and runner.graphs.pool is not None and runner.graphs.dispatcher.captures():
         # Capture again in the same process: Triton's and Inductor's kernels are compiled now, as
         # on a restart with warm caches; the difference is kernel compilation during the first.
         from kiln.engine.forward_graphs import ForwardGraphs
@@ -346,6 +360,7 @@ def main():
     p.add_argument("--prefill", default="8x2048")
     p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--profile", action="store_true", help="kernel breakdown of each decode forward")
+    p.add_argument("--recapture", nargs="*", default=[], help="modes to capture a second time (warm kernels)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int, default=6144)
     args = p.parse_args()
@@ -357,14 +372,12 @@ def main():
               "bench_model": args.bench_model, "context": args.context}
     if not args.skip_check:
         result["check"] = check(args)
+        write(args, result)
     result["rates"] = measure_rates(args.device)
     print(f"rates {result['rates']}", flush=True)
     if not args.skip_bench:
-        result["bench"] = bench(args, result["rates"])
-    out = Path(args.out) / f"cudagraphs_{args.bench_model}_{args.device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {out}")
+        bench(args, result["rates"], result)
+    print(f"wrote {write(args, result)}")
     if not args.skip_check and not all(r.get("ok", True) for r in result["check"].values()):
         raise SystemExit("a mode disagrees with eager (see check above)")
 

@@ -6,14 +6,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kiln.distributed  # noqa: F401  registers the sequence_parallel graph pass
+from kiln.compile.passes.graph_pass import check_pass_names, pass_class
 from kiln.ops.custom_op import resolve_custom_ops
 
-# Measured with benchmarks/engine_throughput.py, profile_step.py and compile_time.py
-# (benchmarks/results/): on this CPU -O2 gains 1-9% a step for ~15 s of cold compile; on
-# the H200 a decode step is host-bound either way (~5 ms of kernels in ~20 ms) and the
-# compiled pieces add host time until CUDA graphs replay them. So eager is the default.
-DEFAULT_FORWARD_REASON = ("eager by default: compiling does not pay off for decode until CUDA graphs "
-                          "land (-O2 compiles, -O3 compiles everything ahead)")
+# Measured with benchmarks/engine_throughput.py, cudagraphs.py and compile_time.py
+# (benchmarks/results/): on this CPU -O2 gains 1-9% a step for ~15 s of cold compile. On the
+# H200 an eager decode step is host-bound (~18 ms for ~5 ms of kernels); one CUDA graph per
+# decode bucket brings it to ~4.7 ms, and Inductor's pieces add nothing on top of that yet
+# (the step is the weights' GEMVs). So by default no compiler runs: the forward is eager,
+# decode batches replay full CUDA graphs and mixed batches breakable ones (GPU only).
+DEFAULT_FORWARD_REASON = ("eager forward by default (compiling does not pay off for decode yet; -O2 "
+                          "compiles, -O3 compiles everything ahead); on CUDA, decode batches replay "
+                          "full CUDA graphs and mixed batches breakable ones")
+DEFAULT_GPU_GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_prefill": {"mode": "breakable"}}
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -33,13 +39,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     custom_ops: list[str] = field(default_factory=list)  # e.g. ["none", "+rms_norm"]
     seed: int = 0
-    # None: eager, where it is measured to pay off today (DEFAULT_FORWARD_REASON). A dict is
+    # None: what is measured to pay off today (DEFAULT_FORWARD_REASON). A dict is
     # read as -cc keys over the -O2 preset.
     compilation: CompilationConfig | dict | None = None
     enforce_eager: bool = False
-    # Processes that share the model, each with a shard of every layer: one per GPU on CUDA,
-    # gloo processes on CPU. kiln starts them itself (kiln.distributed.launcher).
-    tensor_parallel_size: int = 1
     # Processes that share the model, each with a shard of every layer: one per GPU on CUDA,
     # gloo processes on CPU. kiln starts them itself (kiln.distributed.launcher).
     tensor_parallel_size: int = 1
@@ -73,17 +76,14 @@ class EngineConfig:
         if tp > 1 and self.torch_device.type == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs (one process each) but torch sees "
                              f"{torch.cuda.device_count()}; lower it to at most {torch.cuda.device_count()}")
-        tp = self.tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
-        if tp > 1 and self.torch_device.type == "cuda" and tp > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs (one process each) but torch sees "
-                             f"{torch.cuda.device_count()}; lower it to at most {torch.cuda.device_count()}")
 
     @property
     def compilation_config(self) -> CompilationConfig:
         """The compilation settings in force (eager when none were given)."""
-        return self.compilation if self.compilation is not None else CompilationConfig.level(0)
+        if self.compilation is not None:
+            return self.compilation
+        graphs = DEFAULT_GPU_GRAPHS if self.torch_device.type == "cuda" else {}
+        return CompilationConfig.level(0, **graphs)
 
     @property
     def default_custom_ops_base(self) -> str:
@@ -156,6 +156,7 @@ class PhaseGraphs:
     static_compile: bool = False
     static_max_batch: int = 32
 DEFAULT_COMPILATION_LEVEL = 2
+SPLITTING_MODES = ("fx", "inductor_partition", "none")
 
 
 @dataclass
@@ -180,9 +181,17 @@ class CompilationConfig:
     cudagraph_prefill: dict = field(default_factory=dict)
     cudagraph_decode: dict = field(default_factory=dict)
     cudagraph_debug: bool = False  # check on every replay that inputs sit where they were captured
+    # Where the graph is cut at the split ops (mode 3): "fx" splits the FX graph and compiles
+    # each piece on its own; "inductor_partition" compiles the whole graph (so whole-graph
+    # passes see it) and Inductor partitions it at the same ops; "none" does not cut at all.
+    splitting_mode: str = "fx"
+    # Graph passes run inside Inductor (kiln.compile.passes), in their fixed order, e.g.
+    # ["noop_elimination", "fuse_add_rms_norm", "sequence_parallel", "reinplace"].
+    passes: list[str] = field(default_factory=list)
+    pass_dump_dir: str | None = None  # debug: the graph before and after each pass, under this dir
 
     _CHOICES = {"backend": None, "piece_compiler": ("inductor", "eager"), "strategy": ("eager", "lazy"),
-                "dynamic_shapes_mark": ("backed", "unbacked")}
+                "dynamic_shapes_mark": ("backed", "unbacked"), "splitting_mode": SPLITTING_MODES}
 
     def __post_init__(self):
         if isinstance(self.mode, bool) or self.mode not in COMPILATION_MODES:
@@ -206,12 +215,35 @@ class CompilationConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"compilation {name} must be true or false, got {getattr(self, name)!r}")
         self._check_cudagraphs()
+        self._check_passes()
         if self.mode == 2:
             import torch._dynamo
 
             valid = torch._dynamo.list_backends(exclude_tags=())
             if self.backend not in valid:
                 raise ValueError(f"compilation backend {self.backend!r} is unknown; valid: {', '.join(valid)}")
+
+    def _check_passes(self) -> None:
+        check_pass_names(self.passes)
+        inductor = self.mode == 3 and self.piece_compiler == "inductor"
+        if self.passes and not inductor:
+            raise ValueError(f"compilation passes {self.passes} run inside Inductor's piece compiler; use mode 3 "
+                             f"with piece_compiler 'inductor' (-O2 or -O3)")
+        if self.splitting_mode != "fx" and not inductor:
+            raise ValueError(f"compilation splitting_mode {self.splitting_mode!r} hands the whole graph to "
+                             f"Inductor; use mode 3 with piece_compiler 'inductor' (-O2 or -O3), or "
+                             f"splitting_mode 'fx'")
+        if self.splitting_mode == "none" and self.splitting_ops:
+            raise ValueError(f"compilation splitting_ops {self.splitting_ops} cut nothing with splitting_mode "
+                             f"'none'; drop them, or use splitting_mode 'inductor_partition' to partition there")
+        whole = [name for name in self.passes if pass_class(name).needs_whole_graph]
+        if whole and self.splitting_mode == "fx":
+            raise ValueError(f"the {', '.join(whole)} pass rewrites the graph across the split ops (attention), "
+                             f"so it needs the whole graph, but splitting_mode 'fx' cuts the graph there before "
+                             f"any pass runs. Set -cc.splitting_mode=inductor_partition (Inductor partitions at "
+                             f"the same ops after the passes) or -cc.splitting_mode=none")
+        if self.pass_dump_dir is not None and not isinstance(self.pass_dump_dir, str):
+            raise ValueError(f"compilation pass_dump_dir must be a directory path, got {self.pass_dump_dir!r}")
 
     def _check_cudagraphs(self) -> None:
         if self.cudagraph_mode not in CUDAGRAPH_MODES:

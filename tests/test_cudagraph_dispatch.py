@@ -1,0 +1,173 @@
+"""CUDA graph dispatch and padding, on the CPU (where the graph layer passes calls through).
+
+The graphs themselves are checked on the GPU by benchmarks/cudagraphs.py (every mode
+against eager); here: the bucket ladder, the padding table, which graph each batch goes
+to, the settings' start-up errors, and that a padded step computes what an unpadded one
+does (the engine's tokens with every step padded to a bucket equal the plain engine's).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import LLM, SamplingParams
+from kiln.compile.graph_plan import BucketTable, GraphDispatcher, capture_ladder
+from kiln.compile.graphs import weak_view
+from kiln.config import CompilationConfig, compilation_config_from_dict, parse_compilation_args
+from kiln.engine.step_buffers import PackedStep, StepBuffers
+
+
+def test_default_ladder():
+    ladder = capture_ladder(512)
+    assert ladder[:5] == [1, 2, 4, 8, 16]
+    assert ladder[ladder.index(256) - 1] == 248 and ladder[ladder.index(256) + 1] == 272
+    assert ladder[-1] == 512 and all(b - a == 16 for a, b in zip(ladder[ladder.index(256):], ladder[ladder.index(256) + 1:]))
+    assert len(ladder) == 3 + 32 + 16
+    assert capture_ladder(100)[-2:] == [96, 100]  # the max itself is always a bucket
+    assert capture_ladder(1) == [1]
+
+
+def test_bucket_table_pads_to_the_next_bucket():
+    table = BucketTable([1, 2, 4, 8, 16])
+    assert [table.bucket_for(n) for n in range(1, 18)] == [1, 2, 4, 4, 8, 8, 8, 8] + [16] * 8 + [None]
+    assert table.bucket_for(0) is None
+
+
+def dispatcher(mode: str, level: int = 2, max_num_seqs: int = 64, max_tokens: int = 2048, **extra):
+    config = CompilationConfig.level(level, cudagraph_mode=mode, **extra)
+    return GraphDispatcher.from_config(config, max_num_seqs, max_tokens, enabled=True)
+
+
+@pytest.mark.parametrize("mode, decode, mixed", [
+    ("NONE", "none", "none"),
+    ("PIECEWISE", "piecewise", "piecewise"),
+    ("FULL", "full", "full"),
+    ("FULL_DECODE_ONLY", "full", "none"),
+    ("FULL_AND_PIECEWISE", "full", "piecewise"),
+])
+def test_modes_pick_a_graph_per_phase(mode, decode, mixed):
+    d = dispatcher(mode)
+    got_decode, got_mixed = d.choose(5, uniform_decode=True), d.choose(5, uniform_decode=False)
+    assert (got_decode.mode, got_mixed.mode) == (decode, mixed)
+    assert got_decode.bucket == (8 if decode != "none" else None)
+    assert got_mixed.padded(5) == (8 if mixed != "none" else 5)
+
+
+def test_decode_above_its_largest_bucket_falls_back_to_prefill_graphs_then_none():
+    d = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=64)  # decode buckets to 64, prefill to 128
+    assert d.decode.buckets.max_size == 64 and d.prefill.buckets.max_size == 128
+    assert (d.choose(64, True).phase, d.choose(64, True).mode) == ("decode", "full")
+    assert (d.choose(65, True).phase, d.choose(65, True).mode, d.choose(65, True).bucket) == ("prefill", "piecewise", 72)
+    assert (d.choose(129, True).mode, d.choose(129, True).bucket) == ("none", None)
+    assert d.choose(129, False).compiler == "inductor"
+
+
+def test_captures_go_largest_first_and_cover_every_bucket():
+    d = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=8)
+    todo = [(p.name, n) for p, n in d.captures()]
+    assert [n for _, n in todo] == sorted((n for _, n in todo), reverse=True)
+    assert sorted(n for p, n in todo if p == "decode") == [1, 2, 4, 8]
+    assert sorted(n for p, n in todo if p == "prefill") == [1, 2, 4, 8, 16]
+
+
+def test_explicit_sizes_max_and_per_phase_overrides():
+    d = dispatcher("FULL_AND_PIECEWISE", cudagraph_capture_sizes=[1, 4, 32, 64], max_cudagraph_capture_size=32,
+                   cudagraph_decode={"sizes": [1, 2, 3], "compiler": "eager"})
+    assert d.prefill.buckets.sizes == [1, 4, 32]
+    assert d.decode.buckets.sizes == [1, 2, 3] and d.decode.compiler == "eager"
+    assert d.choose(3, True).bucket == 3 and d.choose(4, True).phase == "prefill"
+
+
+def test_static_compile_decode_runs_eagerly_above_its_max():
+    d = dispatcher("NONE", level=0, cudagraph_decode={"mode": "full", "static_compile": True, "static_max_batch": 8})
+    assert d.decode.buckets.sizes == [1, 2, 4, 8]
+    assert d.choose(8, True).mode == "full"
+    above = d.choose(9, True)
+    assert (above.mode, above.compiler) == ("none", "eager")
+
+
+def test_cpu_dispatcher_passes_through():
+    config = CompilationConfig.level(2)
+    d = GraphDispatcher.from_config(config, 64, 2048, enabled=False)
+    assert d.choose(3, True).mode == "none" and d.captures() == []
+    assert "off" in d.describe()
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"cudagraph_mode": "FULLISH"}, "cudagraph_mode must be one of"),
+    ({"mode": 0, "cudagraph_mode": "PIECEWISE"}, "piecewise graphs replay the pieces"),
+    ({"cudagraph_decode": {"mode": "piecewise", "compiler": "eager"}}, "use mode 'breakable'"),
+    ({"cudagraph_decode": {"moed": "full"}}, "unknown key(s) moed"),
+    ({"cudagraph_prefill": {"static_compile": True}}, "unknown key(s) static_compile"),
+    ({"cudagraph_decode": {"mode": "breakable", "static_compile": True}}, "needs mode 'full'"),
+    ({"mode": 0, "cudagraph_decode": {"compiler": "inductor"}}, "needs a compiled forward"),
+    ({"cudagraph_capture_sizes": [8, 4]}, "strictly increasing"),
+    ({"max_cudagraph_capture_size": 0}, "positive integer"),
+    ({"cudagraph_decode": {"max_batch": -1}}, "positive integer"),
+])
+def test_contradictions_fail_at_start_up(values, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        compilation_config_from_dict(values)
+
+
+def test_presets_and_cli():
+    assert CompilationConfig.level(0).cudagraph_mode == "NONE"
+    assert CompilationConfig.level(2).cudagraph_mode == "FULL_AND_PIECEWISE"
+    assert CompilationConfig.level(2, mode=2).cudagraph_mode == "FULL"  # no split graph: whole graphs
+    _, config = parse_compilation_args(["-O2", "-cc.cudagraph_mode=FULL_DECODE_ONLY",
+                                        '-cc.cudagraph_decode={"max_batch": 16}'])
+    assert config.cudagraph_mode == "FULL_DECODE_ONLY"
+    assert config.phase_graphs("decode").max_batch == 16 and config.phase_graphs("prefill").mode == "none"
+
+
+def test_step_buffers_pad_tokens_and_sequences():
+    buffers = StepBuffers(max_tokens=16, max_seqs=4, max_blocks_per_seq=3, device=torch.device("cpu"))
+    step = PackedStep(input_ids=[5, 6, 7], positions=[0, 1, 9], slots=[32, 33, 57],
+                      block_tables=[[2], [3, 1]], seq_lens=[2, 10], query_start_loc=[0, 2, 3])
+    ids, pos, meta = buffers.load(step, num_tokens=8, num_seqs=4, max_query_len=8, max_seq_len=48)
+    assert ids.tolist() == [5, 6, 7, 0, 0, 0, 0, 0] and pos.tolist() == [0, 1, 9, 0, 0, 0, 0, 0]
+    assert meta.slot_mapping.tolist() == [32, 33, 57, -1, -1, -1, -1, -1]  # padding writes no KV
+    assert meta.query_start_loc.tolist() == [0, 2, 3, 3, 3]  # padded sequences own no tokens
+    assert meta.seq_lens.tolist() == [2, 10, 0, 0]
+    assert meta.block_tables[:2, :2].tolist() == [[2, 0], [3, 1]]
+    assert (meta.max_query_len, meta.num_actual_tokens, meta.num_seqs) == (8, 3, 4)
+    # The same bucket is the same memory every step: a graph finds its inputs where it left them.
+    again = buffers.load(step, 8, 4, 8, 48)
+    assert again[0].data_ptr() == ids.data_ptr() and again[2].seq_lens.data_ptr() == meta.seq_lens.data_ptr()
+    with pytest.raises(ValueError, match="does not fit"):
+        buffers.load(step, num_tokens=32, num_seqs=4, max_query_len=1, max_seq_len=1)
+
+
+def test_weak_view_aliases_without_owning():
+    t = torch.arange(6.0).view(2, 3)[:, 1:]
+    w = weak_view(t)
+    assert w.data_ptr() == t.data_ptr() and w.shape == t.shape and w.stride() == t.stride()
+    t.add_(1)
+    assert torch.equal(w, t)
+
+
+def test_padded_steps_give_the_same_tokens():
+    """Every step padded to a full-graph bucket (tokens and sequences) through the CPU's
+    pass-through graph layer: tokens equal the unpadded engine's, with chunked prefill."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (int(n),), generator=gen).tolist() for n in torch.randint(3, 40, (7,), generator=gen)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    kw = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=24, num_kv_blocks=128, block_size=4, max_model_len=256)
+    plain = [o.token_ids for o in LLM("tiny-llama", **kw).generate(prompts, params)]
+    llm = LLM("tiny-llama", compilation=CompilationConfig.level(0, cudagraph_mode="FULL", max_cudagraph_capture_size=24), **kw)
+    graphs = llm.engine.runner.graphs
+    graphs.dispatcher = GraphDispatcher.from_config(llm.engine.config.compilation_config, 4, 24, enabled=True)
+    seen = []  # (real tokens, choice) per step
+    pack = graphs.pack
+
+    def recording_pack(step, uniform_decode):
+        choice, inputs = pack(step, uniform_decode)
+        seen.append((step.num_tokens, choice))
+        return choice, inputs
+
+    graphs.pack = recording_pack
+    padded = [o.token_ids for o in llm.generate(prompts, params)]
+    assert padded == plain
+    assert {c.phase for _, c in seen} == {"prefill", "decode"} and all(c.mode == "full" for _, c in seen)
+    assert any(c.bucket > n for n, c in seen), "no step was actually padded"
