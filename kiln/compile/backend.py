@@ -1,10 +1,13 @@
 """The piecewise backend: the callable Dynamo hands the captured graph to (mode 3).
 
-Graph passes will run first, on the whole graph (there are none yet). Then it splits the
-graph at the split ops, runs the split graph once over fake tensors to learn
+It splits the graph at the split ops, runs the split graph once over fake tensors to learn
 every piece's inputs (shapes in terms of the token count), compiles the unique pieces, and
 returns the split graph with each piece replaced by a runner that dispatches on the token
-count. The opaque regions stay as captured and run eagerly between the pieces.
+count. The opaque regions stay as captured and run eagerly between the pieces. With
+splitting_mode "inductor_partition" or "none" nothing is split here: the whole graph is
+one piece, and Inductor partitions it at the split ops (or not at all).
+
+Inductor runs kiln's graph passes (kiln.compile.passes) on every graph it compiles.
 
 What it builds is a SplitProgram: it pickles, so the compile cache keeps it and a warm
 start rebuilds the same runnable graph from disk without Dynamo.
@@ -25,6 +28,7 @@ from kiln.compile.capture import token_symbols
 from kiln.compile.dispatch import CallSpec
 from kiln.compile.graphs import PiecewiseGraphs
 from kiln.compile.monitor import CompileMonitor, logger
+from kiln.compile.passes.manager import PassManager
 from kiln.compile.pieces import (PieceInput, PieceRunner, PieceSet, ShapePlan, TokenShape, UniquePiece,
                                  structural_hash, token_locator)
 from kiln.compile.split import split_graph
@@ -100,7 +104,11 @@ class OutputRecorder:
 class PiecewiseBackend:
     def __init__(self, config: CompilationConfig, split_names: set[str], max_tokens: int,
                  monitor: CompileMonitor, cache: ModelCache | None = None):
-        self.config, self.split_names, self.monitor, self.cache = config, split_names, monitor, cache
+        self.config, self.monitor, self.cache = config, monitor, cache
+        # Only FX splitting cuts the graph here; otherwise Inductor sees it whole.
+        self.split_names = split_names if config.splitting_mode == "fx" else set()
+        self.passes = PassManager(config.passes, monitor, config.pass_dump_dir)
+        self.inductor_config = inductor_settings(config.splitting_mode, split_names, self.passes)
         self.plan = ShapePlan(config.compile_ranges, config.compile_sizes, max_tokens)
         self.program: SplitProgram | None = None
         self.pieces: PieceSet | None = None
@@ -138,11 +146,27 @@ class PiecewiseBackend:
         """The pieces of `program`, artifacts from `store` where it has them."""
         self.program = program
         self.pieces = PieceSet(program.uniques, program.traced_tokens, self.plan, self.config.piece_compiler,
-                               self.monitor, store)
+                               self.monitor, store, self.inductor_config)
         c = self.monitor.counters
         c.pieces, c.unique_pieces, c.opaque_regions = len(program.slots), len(program.uniques), len(program.regions)
         logger.info("split the graph into %d pieces (%d unique) around %d opaque regions",
                     c.pieces, c.unique_pieces, c.opaque_regions)
+
+
+def inductor_settings(splitting_mode: str, split_names: set[str], passes: PassManager) -> dict:
+    """Inductor config patched around every piece compile."""
+    settings: dict = {}
+    if passes:
+        settings["post_grad_custom_post_pass"] = passes
+    if splitting_mode == "inductor_partition":
+        # Inductor cuts its own graph at the split ops, after the passes ran on all of it.
+        # Hook for CUDA graphs over the partitions:
+        # torch._inductor.utils.set_customized_partition_wrappers (docs/compile-passes.md).
+        settings["graph_partition"] = True
+        settings["custom_should_partition_ops"] = sorted(split_names)
+    elif splitting_mode == "none":
+        settings["graph_partition"] = False
+    return settings
 
 
 def dedup(module: fx.GraphModule, names: list[str],

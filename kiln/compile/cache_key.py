@@ -1,8 +1,9 @@
 """The compile-cache key: four factors, each kept readable so two keys can be compared.
 
     env       kiln-relevant environment variables (not logging, paths, caches or threads)
-    config    what changes the compiled code: compile settings, model class and
-              architecture, parameter shapes, dtype, device type, custom ops, max tokens; no paths
+    config    what changes the compiled code: compile settings (graph passes by their uuid),
+              model class and architecture, parameter shapes, dtype, device type, custom ops,
+              max tokens; no paths
     code      the contents of every source file Dynamo traced
     compiler  torch, triton and Python versions, Inductor's config, device and capability
 

@@ -152,7 +152,8 @@ class CompiledModel:
         c, model = self.config, self.model
         tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
         return {"mode": c.mode, "piece_compiler": c.piece_compiler, "dynamic_shapes_mark": c.dynamic_shapes_mark,
-                "split_ops": sorted(op.name for op in self.split_ops),
+                "split_ops": sorted(op.name for op in self.split_ops), "splitting_mode": c.splitting_mode,
+                "passes": self.backend.passes.uuid() if self.backend.passes else None,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
                 "dynamic_arg_dims": self.dims, "device_type": device.type,

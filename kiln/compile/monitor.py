@@ -34,6 +34,8 @@ class CompileCounters:
     cache_misses: int = 0  # piece compiles neither cache could serve: Inductor ran for real
     pieces_loaded: int = 0  # piece artifacts loaded from kiln's compile cache
     compiles_after_capture: int = 0  # lazy specialisations after the first call
+    # graph pass name -> rewrites it made, summed over the graphs Inductor compiled
+    pass_matches: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -82,6 +84,10 @@ class CompileMonitor:
         self.counters.compiles_after_capture += after_capture
         logger.debug("compiled %s for %s in %.2f s", piece, shape, seconds)
         trace.piece_compiled(piece, index, shape, seconds, bool(hit), after_capture)
+
+    def pass_matched(self, name: str, matches: int, where: str) -> None:
+        self.counters.pass_matches[name] = self.counters.pass_matches.get(name, 0) + matches
+        logger.log(logging.INFO if matches else logging.DEBUG, "pass %s: %d matches in %s", name, matches, where)
 
     def pieces_loaded(self, count: int, seconds: float) -> None:
         self.counters.pieces_loaded += count

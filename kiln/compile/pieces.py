@@ -26,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from kiln.compile import trace
 from kiln.compile.monitor import CompileMonitor, logger
+from kiln.compile.passes.target import compiling
 
 
 @dataclass(frozen=True)
@@ -191,10 +192,12 @@ class PieceSet:
     """
 
     def __init__(self, uniques: list[UniquePiece], traced_tokens: int, plan: ShapePlan, compiler: str,
-                 monitor: CompileMonitor, store=None):
+                 monitor: CompileMonitor, store=None, inductor_config: dict | None = None):
         # traced_tokens: the capture call's count, the size hint Inductor tunes a range for
-        # when it holds that count.
+        # when it holds that count. inductor_config: Inductor settings patched around every
+        # piece compile (the pass manager, graph partitioning).
         self.uniques, self.traced_tokens = uniques, traced_tokens
+        self.inductor_config = inductor_config or {}
         self.plan, self.compiler, self.monitor, self.store = plan, compiler, monitor, store
         self.by_shape: dict[TokenShape, list[Callable]] = {}
         self.by_tokens: dict[int, list[Callable]] = {}
@@ -240,7 +243,9 @@ class PieceSet:
 
     def _load_all(self, shape: TokenShape) -> list[Callable | None]:
         start = time.perf_counter()
-        table = [self._load(i, shape) for i in range(len(self.uniques))]
+        # Loading runs Inductor's post-compile step, which reads graph_partition too.
+        with torch._inductor.config.patch(self.inductor_config):
+            table = [self._load(i, shape) for i in range(len(self.uniques))]
         self.monitor.pieces_loaded(sum(a is not None for a in table), time.perf_counter() - start)
         return table
 
@@ -258,7 +263,8 @@ class PieceSet:
             for i in todo:
                 piece = self.uniques[i]
                 mode, inputs = specialise(piece.inputs, shape, self.traced_tokens)
-                with self.monitor.piece_compile(piece.name, i, shape, self.captured):
+                with (self.monitor.piece_compile(piece.name, i, shape, self.captured),
+                      torch._inductor.config.patch(self.inductor_config), compiling(piece.name, shape)):
                     table[i] = compile_piece(piece.graph, mode, inputs)
                 if self.store is not None:
                     self.store.save_piece(i, shape, table[i])
