@@ -3,6 +3,7 @@
 from kiln.ops.activation import SiluAndMul
 from kiln.ops.attention import Attention
 from kiln.ops.custom_op import enabled_custom_ops, known_ops, resolve_custom_ops
+from kiln.ops import norm_fusion  # noqa: F401  registers the fuse_add_rms_norm graph pass
 from kiln.ops.norm import RMSNorm
 from kiln.ops.rotary import RotaryEmbedding
 
