@@ -63,7 +63,11 @@ def _init_random(model: nn.Module) -> None:
             # Fill on the device: an 8B model drawn on the host would take minutes.
             if p.device not in device_gen:
                 device_gen[p.device] = torch.Generator(device=p.device).manual_seed(0)
-            p.normal_(0.0, 0.02, generator=device_gen[p.device])
+            if isinstance(owner, ShardedLayer):  # whole, then this rank's shard, as on the host
+                full = torch.empty(owner.full_weight_shape, dtype=p.dtype, device=p.device)
+                owner.load_weight(full.normal_(0.0, 0.02, generator=device_gen[p.device]))
+            else:
+                p.normal_(0.0, 0.02, generator=device_gen[p.device])
         elif isinstance(owner, ShardedLayer):
             # Draw the whole tensor and keep this rank's shard: every tensor-parallel size
             # then runs the same model, so their outputs can be compared.
