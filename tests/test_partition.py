@@ -21,6 +21,7 @@ def test_partition_mode_tokens_equal_eager():
     # One piece, no opaque region between pieces: attention runs inside Inductor's code.
     assert (stats["pieces"], stats["opaque_regions"], stats["graphs_seen"]) == (1, 0, 1)
     assert stats["compiles_after_capture"] == 0
+    assert compiled.describe().endswith("splitting inductor_partition, passes fuse_add_rms_norm, reinplace")
     settings = compiled.backend.inductor_config
     assert settings["graph_partition"] is True
     assert settings["custom_should_partition_ops"] == ["kiln::attention", "kiln::kv_cache_write"]

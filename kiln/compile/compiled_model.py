@@ -218,7 +218,9 @@ class CompiledModel:
             plan = self.backend.plan
             text += (f", {c.piece_compiler} pieces, {c.strategy} strategy, ranges "
                      f"{', '.join(f'[{r.lo}, {r.hi}]' for r in plan.ranges)}"
-                     + (f", sizes {sorted(plan.sizes)}" if plan.sizes else ""))
+                     + (f", sizes {sorted(plan.sizes)}" if plan.sizes else "")
+                     + (f", splitting {c.splitting_mode}" if c.splitting_mode != "fx" else "")
+                     + (f", passes {', '.join(self.backend.passes.names())}" if self.backend.passes else ""))
         if self.config.debug_guards and self.mode in (2, 3):
             text += ", debug guards"
         return text
