@@ -293,7 +293,7 @@ def bench_mode(args, mode, rates, prompts, length) -> dict:
     start = time.perf_counter()
     llm = build(args.bench_model, args.device, args.dtype, mode, max_num_seqs=max(args.batches),
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-                max_model_len=max(length, args.context + 512))
+                max_model_len=max(length + 64, args.context + 512))
     startup = time.perf_counter() - start
     runner = llm.engine.runner
     entry = {"startup_s": startup, "timeline": llm.engine.timeline.as_dict() if hasattr(
@@ -322,13 +322,20 @@ def bench_mode(args, mode, rates, prompts, length) -> dict:
             for k in prof["top"][:8]:
                 print(f"      {k['ms']:.3f} ms x{k['count']:.0f} {k['name']}", flush=True)
     if not args.skip_prefill:
-        p = prefill(llm, prompts, length, args.device)
-        if rates["bf16_flops_per_s"]:
+        try:
+            p = prefill(llm, prompts, length, args.device)
+        except Exception as e:  # keep the decode results
+            import traceback
+
+            traceback.print_exc()
+            p = {"error": f"{type(e).__name__}: {e}"}
+        if rates["bf16_flops_per_s"] and "error" not in p:
             weights = step_floor(llm, 1, 0, rates)["flops"] / 2
             p["flops_fraction"] = 2 * weights * p["tokens_per_s"] / rates["bf16_flops_per_s"]
         entry["prefill"] = p
-        print(f"{mode:24s} prefill {prompts}x{length}: {p['tokens_per_s']:.0f} tok/s"
-              + (f", {p['flops_fraction']:.2f} of the matmul rate" if "flops_fraction" in p else ""), flush=True)
+        if "error" not in p:
+            print(f"{mode:24s} prefill {prompts}x{length}: {p['tokens_per_s']:.0f} tok/s"
+                  + (f", {p['flops_fraction']:.2f} of the matmul rate" if "flops_fraction" in p else ""), flush=True)
     if mode in args.recapture and runner.graphs.pool is not None and runner.graphs.dispatcher.captures():
         # Capture again in the same process: Triton's and Inductor's kernels are compiled now, as
         # on a restart with warm caches; the difference is kernel compilation during the first.
