@@ -40,7 +40,8 @@ MODES = {
     "eager FULL_DECODE_ONLY": (0, {"cudagraph_mode": "FULL_DECODE_ONLY"}),
     "eager breakable": (0, {"cudagraph_prefill": {"mode": "breakable"}, "cudagraph_decode": {"mode": "breakable"}}),
     "static compile decode": (0, {"cudagraph_decode": {"mode": "full", "static_compile": True, "sizes": [1, 8]}}),
-    "default (eager, breakable + full)": (0, DEFAULT_GPU_GRAPHS),
+    "eager breakable + full": (0, {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_prefill": {"mode": "breakable"}}),
+    "default": (0, DEFAULT_GPU_GRAPHS),
 }
 
 

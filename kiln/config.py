@@ -12,14 +12,15 @@ from kiln.ops.custom_op import resolve_custom_ops
 
 # Measured with benchmarks/engine_throughput.py, cudagraphs.py and compile_time.py
 # (benchmarks/results/): on this CPU -O2 gains 1-9% a step for ~15 s of cold compile. On the
-# H200 an eager decode step is host-bound (~18 ms for ~5 ms of kernels); one CUDA graph per
-# decode bucket brings it to ~4.7 ms, and Inductor's pieces add nothing on top of that yet
-# (the step is the weights' GEMVs). So by default no compiler runs: the forward is eager,
-# decode batches replay full CUDA graphs and mixed batches breakable ones (GPU only).
+# H200 an eager decode step is host-bound (~18-23 ms for ~4.5 ms of kernels); one CUDA graph
+# per decode bucket brings it to ~4.8 ms, and neither Inductor's pieces nor piecewise graphs
+# beat that yet (the step is the weights' GEMVs). Full decode graphs take ~2.7 s to capture;
+# breakable graphs for mixed batches cost 10 s more and only help small mixed steps. So by
+# default no compiler runs: the forward is eager and decode batches replay full CUDA graphs.
 DEFAULT_FORWARD_REASON = ("eager forward by default (compiling does not pay off for decode yet; -O2 "
                           "compiles, -O3 compiles everything ahead); on CUDA, decode batches replay "
-                          "full CUDA graphs and mixed batches breakable ones")
-DEFAULT_GPU_GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_prefill": {"mode": "breakable"}}
+                          "full CUDA graphs")
+DEFAULT_GPU_GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
