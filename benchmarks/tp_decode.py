@@ -26,7 +26,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("eager", "O2")
+# eager: no compiler, no graphs; graphs: eager forward + full decode CUDA graphs (kiln's GPU
+# default); O2: compiled pieces + FULL_AND_PIECEWISE graphs; O2+SP: -O2 with the sequence-
+# parallel pass (whole-graph Inductor partitions) and full decode graphs, TP > 1 only.
+MODES = ("eager", "graphs", "O2", "O2+SP")
 # What --sp adds to the compiled runs: the pass rewrites across attention, so Inductor must
 # see the whole graph and partition it itself; it matches the fused add + RMSNorm.
 SEQUENCE_PARALLEL = {"passes": ["fuse_add_rms_norm", "sequence_parallel"], "splitting_mode": "inductor_partition"}
@@ -38,6 +41,10 @@ def compilation_for(mode: str, batches: list[int], sp: bool, overrides: dict):
 
     if mode == "eager":
         return CompilationConfig.level(0)
+    if mode == "graphs":
+        return CompilationConfig.level(0, cudagraph_mode="FULL_DECODE_ONLY")
+    if mode == "O2+SP":
+        sp, overrides = True, {"cudagraph_mode": "FULL_DECODE_ONLY", **overrides}
     settings = {"compile_sizes": sorted(set(batches)), **(SEQUENCE_PARALLEL if sp else {}), **overrides}
     return compilation_config_from_dict(settings, level=2)
 
@@ -176,10 +183,12 @@ def main() -> int:
               "compilation_overrides": overrides, "date": time.strftime("%Y-%m-%d %H:%M"), "runs": []}
     for tp in args.tp:
         for mode in args.modes:
+            if mode == "O2+SP" and tp == 1:
+                continue  # nothing to scatter on one rank
             print(f"TP={tp} {mode}:", flush=True)
             spec = {"model": args.model, "device": args.device, "dtype": args.dtype, "batches": args.batches,
-                    "context": args.context, "steps": args.steps, "mode": mode, "tp": tp, "sp": args.sp and mode != "eager",
-                    "overrides": overrides if mode != "eager" else {}}
+                    "context": args.context, "steps": args.steps, "mode": mode, "tp": tp, "sp": args.sp and mode == "O2",
+                    "overrides": overrides if mode.startswith("O2") else {}}
             result["runs"].append({"tp": tp, "mode": mode, **run_in_child(spec, args.timeout)})
             path.write_text(json.dumps(result, indent=2))
     lens = {p["batch"]: p["mean_seq_len"] for r in result["runs"] for p in r.get("points", [])}
