@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torch import fx
 
+from kiln.compile.passes import fx_edit
+
 if TYPE_CHECKING:
     from kiln.compile.pieces import TokenShape
 
@@ -58,13 +60,14 @@ class GraphPass:
         return {}
 
     def uuid(self) -> str:
-        """Changes whenever the pass's source (its class and the classes it derives from)
-        or its settings change: a compiled artifact is reused only under the same uuid."""
+        """Changes whenever the pass's source (its class, the classes it derives from, the
+        shared rewrite helpers) or its settings change: a compiled artifact is reused only
+        under the same uuid."""
         hasher = hashlib.sha256(json.dumps([self.name, self.settings()], sort_keys=True, default=str).encode())
-        for cls in type(self).__mro__:
-            if issubclass(cls, GraphPass):
-                with open(inspect.getsourcefile(cls), "rb") as f:
-                    hasher.update(f.read())
+        files = [inspect.getsourcefile(cls) for cls in type(self).__mro__ if issubclass(cls, GraphPass)]
+        for file in dict.fromkeys([*files, fx_edit.__file__]):
+            with open(file, "rb") as f:
+                hasher.update(f.read())
         return hasher.hexdigest()
 
 
