@@ -50,7 +50,8 @@ def compilation_for(mode: str, batches: list[int], sp: bool, overrides: dict):
 
 
 def run_one(spec: dict) -> dict:
-    """One engine (one TP size, one mode), every batch size: the result as a dict."""
+    """One engine (one TP size, one mode), every batch size: the result as a dict, also printed
+    as the last line of stdout."""
     sys.path.insert(0, str(ROOT))  # run from a checkout, installed or not
     from dataclasses import asdict
 
@@ -76,10 +77,12 @@ def run_one(spec: dict) -> dict:
             points.append(asdict(decode_point(llm.engine, batch, w)))
             print(f"  TP={w.tensor_parallel_size} {spec['mode']}, batch {batch}: {points[-1]['step_ms']:.2f} ms "
                   f"a decode step", file=sys.stderr, flush=True)
-        return {"startup_s": startup_s, "points": points, "compilation": asdict(compilation),
-                "describe": llm.engine.runner.compiled.describe(), "compile_stats": llm.engine.runner.compiled.stats,
-                "torch": torch.__version__,
-                "device_name": torch.cuda.get_device_name() if w.device == "cuda" else "cpu"}
+        result = {"startup_s": startup_s, "points": points, "compilation": asdict(compilation),
+                  "describe": llm.engine.runner.compiled.describe(), "compile_stats": llm.engine.runner.compiled.stats,
+                  "torch": torch.__version__,
+                  "device_name": torch.cuda.get_device_name() if w.device == "cuda" else "cpu"}
+        print(json.dumps(result), flush=True)  # before the shutdown, which may hang
+        return result
     finally:
         llm.shutdown()
 
@@ -88,7 +91,13 @@ def run_in_child(spec: dict, timeout_s: float) -> dict:
     cmd = [sys.executable, __file__, "--run-one", json.dumps(spec)]
     try:
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
+        # The child prints its result before it shuts the workers down; on 2xH200 that shutdown
+        # has hung (NCCL teardown), which must not throw away what was measured.
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        lines = out.strip().splitlines()
+        if lines and lines[-1].startswith("{"):
+            return {**json.loads(lines[-1]), "shutdown": f"did not exit within {timeout_s:.0f} s"}
         return {"error": f"timed out after {timeout_s:.0f} s"}
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
@@ -148,7 +157,7 @@ def main() -> int:
     p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.run_one is not None:
-        print(json.dumps(run_one(json.loads(args.run_one))), flush=True)
+        run_one(json.loads(args.run_one))
         return 0
     if args.out is None:
         p.error("--out is required: the folder the JSON goes to")
