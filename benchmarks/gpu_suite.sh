@@ -20,6 +20,8 @@ run() {
     echo "=== took $((SECONDS - start)) s" | tee -a "$log"
 }
 run python benchmarks/gpu_kernels.py "$OUT"
+run python benchmarks/cudagraphs.py --out "$OUT" --profile --recapture default
+run python benchmarks/attention_tiles.py --out "$OUT"
 run python benchmarks/engine_throughput.py --device cuda --model llama-3-8b --out "$OUT"
 run python benchmarks/cache_start.py --device cuda --model llama-3-8b --out "$OUT"
 run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT"

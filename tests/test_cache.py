@@ -175,7 +175,7 @@ def test_prewarm_reports_what_the_entry_covers(copy_of, tmp_path):
     assert run.returncode == 0, run.stderr
     assert f"cache entry {key}" in run.stdout
     assert f"ranges: [1, {MAX_TOKENS}]" in run.stdout and "sizes: 2" in run.stdout
-    assert "asked for 1, 2" in run.stdout and "this run: 3 Inductor compiles, 3 artifacts loaded" in run.stdout
+    assert "decode full 1, 2; prefill piecewise 1, 2" in run.stdout and "this run: 3 Inductor compiles, 3 artifacts loaded" in run.stdout
 
 
 # -- the key ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from kiln.config import CompilationConfig, EngineConfig
-from kiln.tools.inspect_cmd import CAPTURE_SIZES, inspect_model, render
+from kiln.tools.inspect_cmd import inspect_model, render
 
 HERE = Path(__file__).resolve().parent
 TINY = ["--model", "tiny-llama", "--max-num-batched-tokens", "32"]
@@ -37,7 +37,9 @@ def test_no_compile_shows_every_split_op_with_its_source_and_the_pieces(tmp_path
     assert "pieces: 5 (4 unique) around 4 opaque regions" in out
     assert "unique piece 1: 2 piece(s): submod_2, submod_6" in out
     assert "compile ranges: [1, 32]" in out and "compile sizes: none" in out
-    assert f"capture sizes: {CAPTURE_SIZES}" in out
+    assert ("CUDA graphs, decode (uniform decode batches): full over the inductor forward; "
+            "7 buckets: 1, 2, 4, 8, 16, 24, 32") in out
+    assert "CUDA graphs, prefill (mixed batches): piecewise" in out and "graphs pass through" in out
     assert "custom ops enabled: silu_and_mul (of fused_add_rms_norm, rms_norm" in out
     assert "--no-compile" in out and "cache entry: no entry yet" in out
     graph = Path(re.search(r"split graph as Python: (\S+)", out).group(1))
@@ -56,7 +58,7 @@ def test_compiles_once_then_starts_warm_and_names_the_entry_and_its_factors(tmp_
     assert warm["run"]["how"] == "loaded"
     assert warm["run"]["stats"]["graphs_seen"] == 0 and warm["run"]["stats"]["inductor_compiles"] == 0
     assert warm["pieces"]["pieces"] == 3 and warm["pieces"]["unique_pieces"] == 3
-    assert warm["plan"] == {"ranges": [[1, 32]], "sizes": []} and warm["capture_sizes"] == []
+    assert warm["plan"] == {"ranges": [[1, 32]], "sizes": []} and warm["cuda_graphs"]["decode"]["mode"] == "full"
     entry = warm["cache"]["entry"]
     assert entry["key"] == key and entry["path"] == str(root / key) and entry["complete"]
     assert sorted(entry["factor_hashes"]) == ["code", "compiler", "config", "env"]
@@ -78,7 +80,7 @@ def test_eager_has_nothing_to_split_and_says_so():
     assert report["pieces"] is None and report["cache"] is None and report["run"]["how"] == "none"
     text = render(report)
     assert "eager: the forward runs as the model's own Python" in text and "(the default is -O2)" in text
-    assert f"capture sizes: {CAPTURE_SIZES}" in text
+    assert "CUDA graphs, decode (uniform decode batches): none over the eager forward; no buckets" in text
     assert "custom ops enabled: fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul" in text
 
 

@@ -118,6 +118,12 @@ class GraphDispatcher:
         todo = [(p, n) for p in (self.prefill, self.decode) for n in p.buckets.sizes]
         return sorted(todo, key=lambda item: (-item[1], item[0].name))
 
+    def summary(self) -> dict:
+        """Per phase: its graph mode, compiler and buckets (what inspect and prewarm print)."""
+        return {"enabled": self.enabled, **{p.name: {"mode": p.mode, "compiler": p.compiler,
+                                                     "static_compile": p.static_compile, "buckets": p.buckets.sizes}
+                                            for p in (self.prefill, self.decode)}}
+
     def describe(self) -> str:
         parts = []
         for p in (self.prefill, self.decode):

@@ -3,8 +3,8 @@
     kiln inspect --model smollm2 [-O2 | -O3 | -cc.<key>=<value> ...] [--no-compile] [--json]
 
 Prints the effective split ops and where each was declared, the pieces and unique pieces,
-the compile ranges and sizes, the CUDA graph capture sizes (none: kiln captures no CUDA
-graphs yet), the custom ops enabled, the compile-cache entry with its factor hashes, and the
+the compile ranges and sizes, the CUDA graph mode and buckets of each phase (what a server
+start captures on a GPU), the custom ops enabled, the compile-cache entry with its factor hashes, and the
 path of the split graph as Python. The engine and compile flags are those of `kiln serve`
 and `kiln prewarm`, and without an -O flag it inspects -O2 (-O0 is eager: nothing to show).
 
@@ -26,7 +26,6 @@ import torch
 
 from kiln.config import CompilationConfig, EngineConfig
 
-CAPTURE_SIZES = "none (no CUDA graphs yet)"
 
 
 def inspect_model(config: EngineConfig, compile_missing: bool = True) -> dict:
@@ -42,7 +41,7 @@ def inspect_model(config: EngineConfig, compile_missing: bool = True) -> dict:
               "dtype": str(config.torch_dtype).removeprefix("torch."),
               "max_num_batched_tokens": config.max_num_batched_tokens,
               "compilation": dataclasses.asdict(compilation), "forward": forward_text(compilation),
-              "custom_ops": custom_ops_report(config, custom_ops), "capture_sizes": [],
+              "custom_ops": custom_ops_report(config, custom_ops), "cuda_graphs": cuda_graphs_report(config),
               "run": None, "split_ops": [], "pieces": None, "plan": None, "cache": None, "split_graph": None}
     if compilation.mode != 3:
         report["run"] = {"how": "none", "text": not_piecewise_text(compilation.mode)}
@@ -212,7 +211,7 @@ def render(report: dict) -> str:
         lines += split_ops_lines(report["split_ops"]) + pieces_lines(report["pieces"])
         lines += [f"compile ranges: {', '.join(f'[{lo}, {hi}]' for lo, hi in report['plan']['ranges'])}",
                   f"compile sizes: {', '.join(map(str, report['plan']['sizes'])) or 'none'}"]
-    lines += [f"capture sizes: {CAPTURE_SIZES}", custom_ops_line(report["custom_ops"])]
+    lines += cuda_graph_lines(report["cuda_graphs"]) + [custom_ops_line(report["custom_ops"])]
     if report["cache"] is not None:
         lines += cache_lines(report["cache"], report["run"]["how"])
     if report["split_graph"] is not None:
@@ -220,6 +219,27 @@ def render(report: dict) -> str:
         lines.append(f"split graph as Python: {graph['path']}"
                      + (" (written for this run: no cache entry holds it)" if graph["where"] != "cache entry" else ""))
     return "\n".join(lines)
+
+
+def cuda_graphs_report(config: EngineConfig) -> dict:
+    from kiln.compile.graph_plan import GraphDispatcher
+
+    return GraphDispatcher.from_config(config.compilation_config, config.max_num_seqs,
+                                       config.max_num_batched_tokens,
+                                       enabled=config.torch_device.type == "cuda").summary()
+
+
+def cuda_graph_lines(graphs: dict) -> list[str]:
+    lines = []
+    for phase, batches in (("decode", "uniform decode batches"), ("prefill", "mixed batches")):
+        p = graphs[phase]
+        sizes = p["buckets"]
+        buckets = f"{len(sizes)} buckets: {', '.join(map(str, sizes))}" if sizes else "no buckets"
+        static = ", whole forward compiled per bucket" if p["static_compile"] else ""
+        lines.append(f"CUDA graphs, {phase} ({batches}): {p['mode']} over the {p['compiler']} forward{static}; {buckets}")
+    if not graphs["enabled"]:
+        lines.append("  (no CUDA device: graphs pass through, nothing is captured or padded)")
+    return lines
 
 
 def split_ops_lines(ops: list[dict]) -> list[str]:

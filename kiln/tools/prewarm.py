@@ -8,9 +8,10 @@ same ones and it starts warm. With no -O flag it prewarms -O2. A manifest names 
 
     {"compile_ranges": [16, 256], "compile_sizes": [1, 2, 4, 8], "cudagraph_capture_sizes": [1, 2, 4]}
 
-(every key optional; ranges and sizes override the compile flags, as -cc.compile_ranges=...
-would). Weights are not loaded: the compiled code depends on the architecture, not on the
-values. kiln captures no CUDA graphs yet, so capture sizes are reported, not captured.
+(every key optional; they override the compile flags, as -cc.compile_ranges=... would).
+Weights are not loaded: the compiled code depends on the architecture, not on the values.
+CUDA graphs cannot be stored on disk: the buckets are reported here and captured at each
+server start on a GPU (a few seconds, benchmarks/results/cudagraphs_*.json).
 """
 
 from __future__ import annotations
@@ -45,14 +46,15 @@ def with_shapes(compilation: CompilationConfig, shapes: dict) -> CompilationConf
     if compilation.mode != 3:
         raise ValueError(f"kiln prewarm fills the cache of piecewise compilation (mode 3, -O1..-O3); "
                          f"mode {compilation.mode} keeps no cache")
-    overrides = {k: shapes[k] for k in ("compile_ranges", "compile_sizes") if k in shapes}
+    overrides = {k: shapes[k] for k in MANIFEST_KEYS if k in shapes}
     # Strategy is not part of the cache key: compiling everything now serves a lazy server too.
     return dataclasses.replace(compilation, strategy="eager", **overrides)
 
 
-def prewarm(config: EngineConfig, capture_sizes: list[int] | None = None) -> dict:
+def prewarm(config: EngineConfig) -> dict:
     """Compile (or load) every range and size of `config` into its cache entry; the coverage."""
     from kiln.engine.runner import compile_cache, compile_forward
+    from kiln.tools.inspect_cmd import cuda_graphs_report
     from kiln.engine.timeline import StartupTimeline
     from kiln.loader import load_source
     from kiln.models import build_model
@@ -74,14 +76,13 @@ def prewarm(config: EngineConfig, capture_sizes: list[int] | None = None) -> dic
     return {"key": entry.key, "path": str(entry.path), "model": source.name, "device": str(device),
             "dtype": str(dtype).removeprefix("torch."), "describe": compiled.describe(),
             "coverage": entry.coverage(), "complete": entry.complete(), "graph": entry.manifest.get("graph"),
-            "requested_capture_sizes": capture_sizes or [], "seconds": seconds, "stats": compiled.stats}
+            "cuda_graphs": cuda_graphs_report(config), "seconds": seconds, "stats": compiled.stats}
 
 
 def render(report: dict) -> str:
     cover, stats, graph = report["coverage"], report["stats"], report["graph"] or {}
     ranges = ", ".join(f"[{lo}, {hi}]" for lo, hi in cover["ranges"]) or "none"
     sizes = ", ".join(map(str, cover["sizes"])) or "none"
-    asked = report["requested_capture_sizes"]
     lines = [
         f"cache entry {report['key']} ({report['path']})",
         f"  model {report['model']} on {report['device']}, {report['dtype']}: {report['describe']}",
@@ -90,8 +91,10 @@ def render(report: dict) -> str:
         + ("warm starts skip Dynamo" if graph.get("direct_call") else "warm starts run Dynamo (no direct call)"),
         f"  ranges: {ranges}",
         f"  sizes: {sizes}",
-        "  buckets (CUDA graph capture sizes): none captured"
-        + (f" (asked for {', '.join(map(str, asked))}: kiln captures no CUDA graphs yet)" if asked else ""),
+        "  CUDA graph buckets (captured at each start on a GPU; graphs cannot be stored): " + "; ".join(
+            f"{phase} {g['mode']} {', '.join(map(str, g['buckets'])) or '(none)'}"
+            for phase, g in ((p, report["cuda_graphs"][p]) for p in ("decode", "prefill")))
+        + ("" if report["cuda_graphs"]["enabled"] else " (no CUDA device here: nothing is captured)"),
         f"  missing: {', '.join(cover['missing']) or 'none'} -> {'complete' if report['complete'] else 'INCOMPLETE'}",
         f"  this run: {stats['inductor_compiles']} Inductor compiles, {stats['pieces_loaded']} artifacts loaded, "
         f"{report['seconds']:.1f} s",
@@ -106,6 +109,6 @@ def main(args) -> int:
     args.compilation = with_shapes(args.compilation_config, shapes)
     config = _engine_config(args)
     with torch.inference_mode():
-        report = prewarm(config, shapes.get("cudagraph_capture_sizes"))
+        report = prewarm(config)
     print(render(report))
     return 0 if report["complete"] else 1
