@@ -102,6 +102,10 @@ class Workers:
                 conn.send(None)
             except (BrokenPipeError, OSError):
                 pass  # already gone
+        # Leave the group while the workers leave theirs, not after they exit: if tearing down
+        # an NCCL communicator waits for its peers (suspected of the hang seen on 2xH200, not
+        # confirmed), rank 0 waiting on the workers first would deadlock with it.
+        destroy_tensor_parallel()
         for proc in self._procs:
             proc.join(timeout=_JOIN_TIMEOUT_S)
             if proc.is_alive():

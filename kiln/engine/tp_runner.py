@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 
 from kiln.config import EngineConfig
-from kiln.distributed import TensorParallelState, building_for, destroy_tensor_parallel
+from kiln.distributed import TensorParallelState, building_for
 from kiln.distributed.launcher import Workers, join_as_rank0
 from kiln.engine.runner import ModelRunner
 from kiln.engine.sampling_params import SamplingParams
@@ -128,7 +128,6 @@ class TensorParallelRunner(ModelRunner):
     def shutdown(self) -> None:
         """Stop the workers and leave the process group (an engine can be made again after)."""
         self.workers.shutdown()
-        destroy_tensor_parallel()
 
 
 def _serve_steps(state: TensorParallelState, conn, config: EngineConfig) -> None:
