@@ -44,10 +44,6 @@ class BreakableGraph:
     def __init__(self, steps: list, output):
         self.steps, self.output = steps, output  # steps: CUDAGraph | SplitCall, in order
 
-    @property
-    def num_segments(self) -> int:
-        return sum(isinstance(s, torch.cuda.CUDAGraph) for s in self.steps)
-
     def replay(self):
         for step in self.steps:
             if isinstance(step, SplitCall):

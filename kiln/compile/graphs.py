@@ -115,13 +115,12 @@ class CapturedGraph:
 class PiecewiseGraphs:
     """One CUDA graph per (compiled piece, bucket). The split graph runs as usual; each piece
     call replays its graph for the active bucket, while the opaque regions between pieces
-    (attention) run eagerly. Outside `replaying`/`capturing` calls pass through."""
+    (attention) run eagerly. Outside `active(bucket, action)` calls pass through."""
 
     def __init__(self):
         self.pool: GraphPool | None = None
         self.bucket: int | None = None
         self.action: str | None = None  # "replay" | "capture" | None: pass through
-        self.num_pieces = 0
 
     @contextlib.contextmanager
     def active(self, bucket: int, action: str):
@@ -132,7 +131,6 @@ class PiecewiseGraphs:
             self.bucket = self.action = None
 
     def wrap(self, piece: Callable) -> Callable:
-        self.num_pieces += 1
         return GraphedPiece(piece, self)
 
 
