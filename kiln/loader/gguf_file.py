@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kiln.loader.gguf_header import read_gguf
 from kiln.loader.tokenizer import Tokenizer
 from kiln.models.config import ModelArchConfig
 
@@ -31,11 +32,8 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 
 class GGUFCheckpoint:
     def __init__(self, path: str | Path):
-        import gguf
-
         self.path = Path(path)
-        self.reader = gguf.GGUFReader(str(self.path))
-        self.fields = {name: f.contents() for name, f in self.reader.fields.items()}
+        self.fields, self.tensors = read_gguf(self.path)
         arch = self.fields.get("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"{self.path}: GGUF architecture {arch!r} is not supported; kiln reads "
@@ -46,7 +44,7 @@ class GGUFCheckpoint:
         f, a = self.fields, self.arch
         heads = f[f"{a}.attention.head_count"]
         hidden = f[f"{a}.embedding_length"]
-        names = {t.name for t in self.reader.tensors}
+        names = {t.name for t in self.tensors}
         eos = f.get("tokenizer.ggml.eos_token_id")
         return ModelArchConfig(
             architecture="LlamaForCausalLM",
@@ -70,18 +68,19 @@ class GGUFCheckpoint:
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named fp32 tensors, dequantized one at a time to keep peak memory low."""
+        from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize
 
         cfg = self.config()
         patterns = {}
         for i in range(cfg.num_layers):
             patterns.update({g.format(i=i): h.format(i=i) for g, h in _NAMES.items()})
-        for t in self.reader.tensors:
+        for t in self.tensors:
             if t.name not in patterns:
                 if t.name.startswith("rope_freqs"):
                     continue
                 raise ValueError(f"{self.path}: unexpected tensor {t.name!r}")
-            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            w = np.asarray(dequantize(t.data, GGMLQuantizationType(t.tensor_type)), dtype=np.float32)
             w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
             if t.name.endswith("attn_q.weight"):
                 w = _unpermute(w, cfg.num_heads)
