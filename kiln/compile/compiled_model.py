@@ -8,6 +8,7 @@ graph through a GraphCall (see dispatch), not through Dynamo's bytecode.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Callable
@@ -168,12 +169,14 @@ class CompiledModel:
                                  max_num_batched_tokens=self.max_num_batched_tokens,
                                  engine=self.cache.model if self.cache is not None else None)
 
-    def warm_up(self, make_inputs: Callable[[int], tuple]) -> None:
+    def warm_up(self, make_inputs: Callable[[int], tuple],
+                context: Callable[[int], contextlib.AbstractContextManager] | None = None) -> None:
         """Make the forward ready for every compile range and size, so nothing compiles while
         serving: start warm from the cache if it can, then run what is still missing.
 
         The first call, with the most tokens, is the capture (and, with the eager strategy,
-        compiles every range and size).
+        compiles every range and size). `context(n)`, if given, is entered around the call
+        with n tokens (the caller's per-call state, e.g. what opaque ops read).
         """
         if self.capture is None:
             return
@@ -183,7 +186,8 @@ class CompiledModel:
             counts += [shape.hi for shape in self.backend.plan.ranges] + sorted(self.backend.plan.sizes)
         for n in dict.fromkeys(counts):
             if not self._ready_for(n):
-                self(*make_inputs(n))
+                with context(n) if context is not None else contextlib.nullcontext():
+                    self(*make_inputs(n))
 
     def start_from_cache(self) -> bool:
         """Load the forward from the compile cache, without Dynamo, if an entry has it: True

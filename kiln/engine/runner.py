@@ -18,7 +18,7 @@ from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
 from kiln.engine.step_buffers import PackedStep, StepBuffers
 from kiln.engine.timeline import StartupTimeline
-from kiln.forward_context import AttentionMetadata, set_forward_context
+from kiln.forward_context import AttentionMetadata, set_forward_context, warm_up_metadata
 from kiln.loader import ModelSource
 from kiln.models import build_model
 from kiln.ops import Attention, resolve_custom_ops
@@ -54,10 +54,11 @@ def compile_forward(model: torch.nn.Module, config: EngineConfig, cache: Compile
     if compiled.mode == 0:
         return compiled
     dev = next(model.parameters()).device
-    with timeline.phase("compile", record=False), torch.inference_mode(), set_forward_context(None, {}):
+    with timeline.phase("compile", record=False), torch.inference_mode():
         # Values do not matter, only token counts; position 0 is valid for any model.
         compiled.warm_up(lambda n: (torch.zeros(n, dtype=torch.long, device=dev),
-                                    torch.zeros(n, dtype=torch.long, device=dev)))
+                                    torch.zeros(n, dtype=torch.long, device=dev)),
+                         context=lambda n: set_forward_context(warm_up_metadata(n, dev), {}))
     stats = compiled.stats
     # Only what ran: a warm start records cache_load, a cold one dynamo and inductor.
     for phase, seconds in (("cache_load", stats["load_s"]), ("dynamo", stats["dynamo_s"]),

@@ -79,7 +79,7 @@ def start_forward(compiled, compile_missing: bool) -> tuple[str, object]:
     """How the forward came to be ("loaded", "compiled" or "captured"), and the CompiledModel
     that made it."""
     from kiln.compile import compile_model
-    from kiln.forward_context import set_forward_context
+    from kiln.forward_context import set_forward_context, warm_up_metadata
 
     model, max_tokens = compiled.model, compiled.max_num_batched_tokens
     device = next(model.parameters()).device
@@ -92,7 +92,7 @@ def start_forward(compiled, compile_missing: bool) -> tuple[str, object]:
         if compiled.start_from_cache():
             return "loaded", compiled
         if compile_missing:
-            compiled.warm_up(inputs)
+            compiled.warm_up(inputs, context=lambda n: set_forward_context(warm_up_metadata(n, device), {}))
             return "compiled", compiled
         split_only = compile_model(model, dataclasses.replace(compiled.config, piece_compiler="eager"), max_tokens)
         split_only(*inputs(min(max_tokens, 16)))  # any count >= 2 captures; the split is the same
