@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU-side check and benchmark in one device call; results land in $OUT.
-#   bash benchmarks/gpu_suite.sh            (on the GPU machine, from the repository root)
+#   bash benchmarks/gpu_suite.sh [part ...]   (on the GPU machine, from the repository root)
 # Then copy $OUT/*.json into benchmarks/results/ and commit them.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -19,10 +19,19 @@ run() {
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     echo "=== took $((SECONDS - start)) s" | tee -a "$log"
 }
-run python benchmarks/gpu_kernels.py "$OUT"
-run python benchmarks/cudagraphs.py --out "$OUT" --profile --recapture default
-run python benchmarks/attention_tiles.py --out "$OUT"
-run python benchmarks/engine_throughput.py --device cuda --model llama-3-8b --out "$OUT"
-run python benchmarks/cache_start.py --device cuda --model llama-3-8b --out "$OUT"
-run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT"
+# Parts, in the order they run; name some to run only those (a device call lasts at most
+# 10 minutes, and all of them together take longer: split them over two calls, e.g.
+# `bash benchmarks/gpu_suite.sh kernels graphs tiles` then `... engine cache bench`).
+parts=${*:-kernels graphs tiles engine cache bench}
+for part in $parts; do
+    case $part in
+        kernels) run python benchmarks/gpu_kernels.py "$OUT" ;;
+        graphs) run python benchmarks/cudagraphs.py --out "$OUT" --profile --recapture default ;;
+        tiles) run python benchmarks/attention_tiles.py --out "$OUT" ;;
+        engine) run python benchmarks/engine_throughput.py --device cuda --model llama-3-8b --out "$OUT" ;;
+        cache) run python benchmarks/cache_start.py --device cuda --model llama-3-8b --out "$OUT" ;;
+        bench) run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT" ;;
+        *) echo "unknown part $part; parts: kernels graphs tiles engine cache bench" >&2; exit 2 ;;
+    esac
+done
 exit $status
