@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from kiln.compile import trace
 from kiln.compile.cache_key import traced_sources
@@ -186,19 +187,43 @@ def dedup(module: fx.GraphModule, names: list[str],
 
 
 def piece_inputs(module: fx.GraphModule, names: list[str], fakes: list, fake_mode) -> dict[str, list]:
-    """Run the split graph over fake tensors and record each piece's (symbolic) inputs."""
+    """Run the split graph over fake tensors and record each piece's (symbolic) inputs.
+
+    A piece's outputs are read from the fake values Dynamo left on its nodes rather than
+    computed again: propagating fakes through every op of every piece took 0.8 s of a
+    SmolLM2 capture. The opaque regions still run (on fakes), and a piece whose outputs
+    carry no fake value runs too.
+    """
     recorded: dict[str, list] = {}
     wanted = set(names)
+    # Dynamo's fake values live in its own fake mode: run in that one, from its inputs.
+    traced_inputs = [n.meta.get("example_value") for n in module.graph.nodes if n.op == "placeholder"]
+    shortcut = all(v is not None for v in traced_inputs)
+    if shortcut:
+        fakes = traced_inputs
+        fake_mode = next((v.fake_mode for v in traced_inputs if isinstance(v, FakeTensor)), fake_mode)
 
     class Recorder(fx.Interpreter):
         def call_module(self, target, args, kwargs):
             if target in wanted:
                 recorded[target] = list(args)
+                traced = traced_outputs(getattr(self.module, target)) if shortcut else None
+                if traced is not None:
+                    return traced
             return super().call_module(target, args, kwargs)
 
     with fake_mode:
         Recorder(module).run(*fakes)
     return recorded
+
+
+def traced_outputs(piece: fx.GraphModule):
+    """The piece's outputs as the fake values Dynamo traced them with, or None if any is missing."""
+    output = next(n for n in reversed(piece.graph.nodes) if n.op == "output")
+    missing = object()
+    values = fx.node.map_arg(output.args[0], lambda n: n.meta.get("example_value", missing))
+    leaves = values if isinstance(values, (tuple, list)) else [values]
+    return None if any(v is missing for v in leaves) else values
 
 
 def traced_count(fakes: list, example_inputs: list, tokens) -> int:
