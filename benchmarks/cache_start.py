@@ -56,12 +56,14 @@ def child(args: argparse.Namespace, config_argv: list[str]) -> None:
         "dtype": str(config.torch_dtype)}))
 
 
-def start(args: argparse.Namespace, config_argv: list[str], root: str) -> dict:
+def start(args: argparse.Namespace, config_argv: list[str], root: str, profile: Path | None = None) -> dict:
+    """One start-up in a fresh process; under cProfile (stats written to `profile`) if given."""
     env = dict(os.environ, KILN_CACHE_ROOT=root)
     env.pop("KILN_DISABLE_COMPILE_CACHE", None)
     if args.device == "cpu":
         env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, __file__, "--child", "--model", args.model, "--device", args.device,
+    profiler = ["-m", "cProfile", "-o", str(profile)] if profile else []
+    cmd = [sys.executable, *profiler, __file__, "--child", "--model", args.model, "--device", args.device,
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), *config_argv]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
@@ -89,6 +91,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--warm-runs", type=int, default=3)
     parser.add_argument("--root", default=None, help="cache root (default: a fresh temporary one, so the first start is cold)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")))
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="after the timed starts, one more cold and one warm start under cProfile: "
+                             "<dir>/cache_start_{cold,warm}.prof (view with python -m pstats)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(rest)
     if args.child:
@@ -122,6 +127,14 @@ def main(argv: list[str]) -> None:
               f"{m['compile_phase_s']:.2f} s (median; {verdict} the {target:.0f} s target); start-up to ready cold "
               f"{cold['engine_ready_s']:.2f} s -> warm {m['engine_ready_s']:.2f} s")
     print(f"wrote {path}")
+    if args.profile:
+        # Separate starts, so that cProfile's overhead stays out of the timed numbers above.
+        args.profile.mkdir(parents=True, exist_ok=True)
+        profile_root = tempfile.mkdtemp(prefix="kiln-cache-profile-")
+        for kind in ("cold", "warm"):
+            run = start(args, config_argv, profile_root, args.profile / f"cache_start_{kind}.prof")
+            print(f"profiled {kind} start: compile phase {run['compile_phase_s']:.2f} s {_phases(run)} "
+                  f"-> {args.profile}/cache_start_{kind}.prof")
 
 
 def _phases(run: dict) -> str:
