@@ -190,6 +190,9 @@ class CompilationConfig:
     # ["noop_elimination", "fuse_add_rms_norm", "sequence_parallel", "reinplace"].
     passes: list[str] = field(default_factory=list)
     pass_dump_dir: str | None = None  # debug: the graph before and after each pass, under this dir
+    # Processes that compile unique pieces side by side on a cold start (mode 3, Inductor
+    # pieces, compile cache on); None: one per 4 cores, at most 4 (none below 8 cores); 0/1: in-process.
+    compile_workers: int | None = None
 
     _CHOICES = {"backend": None, "piece_compiler": ("inductor", "eager"), "strategy": ("eager", "lazy"),
                 "dynamic_shapes_mark": ("backed", "unbacked"), "splitting_mode": SPLITTING_MODES}
@@ -212,6 +215,10 @@ class CompilationConfig:
         if any(not isinstance(op, str) or not op for op in self.splitting_ops):
             raise ValueError(f"compilation splitting_ops must be op names like 'kiln::attention', "
                              f"got {self.splitting_ops!r}")
+        workers = self.compile_workers
+        if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
+            raise ValueError(f"compilation compile_workers must be a count >= 0 (0 or 1: compile in-process) or "
+                             f"null (one per 4 cores), got {workers!r}")
         for name in ("debug_guards", "cudagraph_debug"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"compilation {name} must be true or false, got {getattr(self, name)!r}")

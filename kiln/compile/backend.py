@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from kiln.compile import trace
 from kiln.compile.cache_key import traced_sources
+from kiln.compile.compile_workers import CompileWorkers
 from kiln.compile.capture import token_symbols
 from kiln.compile.dispatch import CallSpec
 from kiln.compile.graphs import PiecewiseGraphs
@@ -76,15 +77,19 @@ def runnable(program: SplitProgram, pieces: PieceSet, graphs: PiecewiseGraphs | 
     return module
 
 
-def compile_ahead(pieces: PieceSet, plan: ShapePlan, strategy: str, first: TokenShape | None) -> None:
-    """What must be ready before serving: every shape (eager strategy), or the first call's."""
+def compile_ahead(pieces: PieceSet, plan: ShapePlan, strategy: str, first: TokenShape | None,
+                  also: list[TokenShape] = ()) -> None:
+    """What must be ready before serving: every shape (eager strategy), or the first call's
+    and `also` (the shapes a warm-up is about to call: compiled together, side by side with
+    compile workers)."""
     if strategy == "eager":
-        for shape in plan.all_shapes():
-            if shape not in pieces.by_shape:
-                pieces.compile(shape)
-        pieces.frozen = True
-    elif first is not None:
-        pieces.compile(first)
+        wanted = plan.all_shapes()
+    else:
+        wanted = ([first] if first is not None else []) + list(also)
+    todo = [s for s in dict.fromkeys(wanted) if s not in pieces.by_shape]
+    if todo:
+        pieces.compile_shapes(todo)
+    pieces.frozen = strategy == "eager"
     pieces.captured = True
 
 
@@ -115,6 +120,8 @@ class PiecewiseBackend:
         self.pieces: PieceSet | None = None
         self.capture_inputs: tuple[fx.GraphModule, list] | None = None  # for the CallSpec
         self.recorder: OutputRecorder | None = None
+        self.ahead: list[TokenShape] = []  # shapes to compile at capture besides the first call's
+        self.workers: CompileWorkers | None = None  # compile pieces side by side at capture
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         fake_mode = torch._guards.TracingContext.get().fake_mode
@@ -138,7 +145,7 @@ class PiecewiseBackend:
         trace.split_graph(self.program)
         store = self.cache.entry_for(traced_files(gm)) if self.cache is not None else None
         self.start(self.program, store)
-        compile_ahead(self.pieces, self.plan, self.config.strategy, self.plan.shape_for(traced))
+        compile_ahead(self.pieces, self.plan, self.config.strategy, self.plan.shape_for(traced), self.ahead)
         self.capture_inputs = (gm, list(example_inputs))
         self.recorder = OutputRecorder(runnable(self.program, self.pieces))
         return self.recorder
@@ -148,6 +155,7 @@ class PiecewiseBackend:
         self.program = program
         self.pieces = PieceSet(program.uniques, program.traced_tokens, self.plan, self.config.piece_compiler,
                                self.monitor, store, self.inductor_config)
+        self.pieces.workers = self.workers
         c = self.monitor.counters
         c.pieces, c.unique_pieces, c.opaque_regions = len(program.slots), len(program.uniques), len(program.regions)
         logger.info("split the graph into %d pieces (%d unique) around %d opaque regions",

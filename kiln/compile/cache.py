@@ -385,6 +385,12 @@ class CacheEntry:
         os.replace(tmp, target)
         self.manifest["files"][rel] = sha256_file(target)
 
+    def adopt_piece(self, index: int, shape: TokenShape, saved: Path) -> None:
+        """Take in an artifact another process saved at `saved` (in this entry's directory)."""
+        target = self.path / self.artifact(index, shape)
+        os.replace(saved, target)
+        self.manifest["files"][self.artifact(index, shape)] = sha256_file(target)
+
     def shape_done(self, shape: TokenShape, size_hint: int, num_pieces: int) -> None:
         """Record `shape` and the built files Inductor left for it; write the manifest."""
         self.manifest["shapes"][shape_tag(shape)] = {

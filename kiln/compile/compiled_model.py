@@ -22,6 +22,7 @@ from kiln.compile.backend import PiecewiseBackend, compile_ahead, runnable
 from kiln.compile.cache import CompileCache, ModelCache
 from kiln.compile.cache_key import compiler_factor, digest, env_factor, source_name
 from kiln.compile.capture import Capture, checked_backend
+from kiln.compile.compile_workers import CompileWorkers, auto_worker_count
 from kiln.compile.dispatch import GraphCall, call_spec
 from kiln.compile.graphs import PiecewiseGraphs
 from kiln.compile.monitor import CompileMonitor, logger
@@ -82,7 +83,8 @@ class CompiledModel:
             return self.capture(*args, **kwargs)
         if self._warm_start():
             return self.dispatch(*args, **kwargs)
-        out = self.capture(*args, **kwargs)
+        with self._compile_workers():
+            out = self.capture(*args, **kwargs)
         if self.capture.captured:
             self._captured(args, kwargs, out)
         return out
@@ -117,6 +119,26 @@ class CompiledModel:
         self.dispatch = GraphCall(runnable(program, pieces, self.piece_graphs), program.call, self.model, self.capture.signature)
         self.monitor.warm_start_done(entry.key, time.perf_counter() - start)
         return True
+
+    @contextlib.contextmanager
+    def _compile_workers(self):
+        """Worker processes that compile the pieces of a cold capture side by side; started
+        before Dynamo traces, so their start-up overlaps the trace. None on small machines,
+        without the compile cache (they hand artifacts over through it) or with graph passes."""
+        count = self.config.compile_workers
+        count = auto_worker_count() if count is None else count
+        backend = self.backend
+        if count < 2 or self.cache is None or self.config.piece_compiler != "inductor" or backend.passes:
+            yield
+            return
+        backend.workers = CompileWorkers(count)
+        try:
+            yield
+        finally:
+            backend.workers.close()
+            backend.workers = None
+            if backend.pieces is not None:
+                backend.pieces.workers = None
 
     def _captured(self, args: tuple, kwargs: dict, out) -> None:
         """After Dynamo's capture: make the direct call, and keep the program in the cache."""
@@ -183,6 +205,8 @@ class CompiledModel:
         counts = [self.max_num_batched_tokens]
         if self.backend is not None:
             self._warm_start()
+            # The calls below need every range and size: a capture compiles them all at once.
+            self.backend.ahead = self.backend.plan.all_shapes()
             counts += [shape.hi for shape in self.backend.plan.ranges] + sorted(self.backend.plan.sizes)
         for n in dict.fromkeys(counts):
             if not self._ready_for(n):

@@ -85,6 +85,16 @@ class CompileMonitor:
         logger.debug("compiled %s for %s in %.2f s", piece, shape, seconds)
         trace.piece_compiled(piece, index, shape, seconds, bool(hit), after_capture)
 
+    def piece_compiled_elsewhere(self, piece: str, index: int, shape, seconds: float, fx_cache_hit: bool,
+                                 after_capture: bool) -> None:
+        """A compile worker's piece; its time is in the wall time of the whole batch, not here."""
+        self.counters.inductor_compiles += 1
+        self.counters.cache_hits += fx_cache_hit
+        self.counters.cache_misses += not fx_cache_hit
+        self.counters.compiles_after_capture += after_capture
+        logger.debug("a worker compiled %s for %s in %.2f s", piece, shape, seconds)
+        trace.piece_compiled(piece, index, shape, seconds, fx_cache_hit, after_capture)
+
     def pass_matched(self, name: str, matches: int, where: str) -> None:
         self.counters.pass_matches[name] = self.counters.pass_matches.get(name, 0) + matches
         logger.log(logging.INFO if matches else logging.DEBUG, "pass %s: %d matches in %s", name, matches, where)

@@ -13,9 +13,12 @@ from __future__ import annotations
 import bisect
 import contextlib
 import hashlib
+import os
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import sympy
 import torch
@@ -25,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from kiln.compile import trace
+from kiln.compile.compile_workers import CompileWorkers, PieceJob
 from kiln.compile.monitor import CompileMonitor, logger
 from kiln.compile.passes.target import compiling
 
@@ -203,6 +207,7 @@ class PieceSet:
         self.by_tokens: dict[int, list[Callable]] = {}
         self.frozen = False  # eager strategy: everything is compiled, serving must not compile
         self.captured = False
+        self.workers: CompileWorkers | None = None  # while set, misses compile side by side in them
 
     def table(self, num_tokens: int) -> list[Callable]:
         """The artifact of every unique piece for a call with `num_tokens` tokens."""
@@ -213,33 +218,68 @@ class PieceSet:
         return table
 
     def compile(self, shape: TokenShape) -> list[Callable]:
-        if self.frozen:
-            raise RuntimeError(f"kiln would compile {shape} while serving, but the eager strategy "
-                               f"compiled every range and size at capture; this is a kiln bug")
-        if self.compiler == "eager":  # the pieces run as captured: one callable serves every shape
-            table = [piece.graph for piece in self.uniques]
-        else:
-            table = self._inductor(shape)
-        self.by_shape[shape] = table
-        return table
+        return self.compile_shapes([shape])[0]
 
-    def _inductor(self, shape: TokenShape) -> list[Callable]:
+    def compile_shapes(self, shapes: list[TokenShape]) -> list[list[Callable]]:
+        """Load or compile the artifacts of every unique piece for each shape (with workers,
+        all the compiles run side by side)."""
+        if self.frozen:
+            raise RuntimeError(f"kiln would compile {', '.join(map(str, shapes))} while serving, but the eager "
+                               f"strategy compiled every range and size at capture; this is a kiln bug")
+        if self.compiler == "eager":  # the pieces run as captured: one callable serves every shape
+            tables = [[piece.graph for piece in self.uniques] for _ in shapes]
+        else:
+            tables = self._inductor(shapes)
+        self.by_shape.update(zip(shapes, tables))
+        return tables
+
+    def _inductor(self, shapes: list[TokenShape]) -> list[list[Callable]]:
         if self.store is None:
-            return self._compile_all(shape, [None] * len(self.uniques))
+            return [self._compile_all(shape, [None] * len(self.uniques)) for shape in shapes]
         # Held from the look-up to the write: a second process filling the same entry waits
         # here, then finds the artifacts the first one wrote.
         with self.store.lock():
-            table = self._load_all(shape)
-            if all(table):
-                return table
-            if self.store.warm:
-                missing = sum(a is None for a in table)
+            tables = [self._load_all(shape) for shape in shapes]
+            todo = [(shape, i) for shape, table in zip(shapes, tables) for i, a in enumerate(table) if a is None]
+            if todo and self.store.warm:
                 logger.warning("compile cache miss: %s of %s is not in cache entry %s; compiling %d "
                                "piece(s) now (kiln prewarm covers it ahead of time)",
-                               shape, self.store.model_name, self.store.key, missing)
-            table = self._compile_all(shape, table)
-            self.store.shape_done(shape, self.traced_tokens, len(self.uniques))
-            return table
+                               ", ".join(str(s) for s, t in zip(shapes, tables) if not all(t)),
+                               self.store.model_name, self.store.key, len(todo))
+            if len(todo) > 1 and self.workers is not None and "post_grad_custom_post_pass" not in self.inductor_config:
+                self._compile_in_workers(todo, dict(zip(shapes, tables)))
+            for shape, table in zip(shapes, tables):
+                if not all(table):
+                    self._compile_all(shape, table)
+                self.store.shape_done(shape, self.traced_tokens, len(self.uniques))
+            return tables
+
+    def _compile_in_workers(self, todo: list[tuple[TokenShape, int]], tables: dict[TokenShape, list]) -> None:
+        """Compile `todo` in the worker processes and load what they saved into `tables`. A
+        piece a worker could not compile stays None there, for the caller to compile here.
+        (Graph passes run in this process only: they report their matches to its monitor.)"""
+        start = time.perf_counter()
+        store, jobs = self.store, []
+        for shape, i in todo:
+            piece = self.uniques[i]
+            out = store.path / f"{store.artifact(i, shape)}.{os.getpid()}.worker.tmp"
+            jobs.append(PieceJob(i, shape, pickle.dumps(piece.graph), piece.inputs, self.traced_tokens,
+                                 store, self.inductor_config, str(out)))
+        logger.info("compiling %d pieces in %d worker processes", len(jobs), self.workers.count)
+        for job, result in zip(jobs, self.workers.compile(jobs)):
+            name = self.uniques[job.index].name
+            if result.error is not None:
+                logger.warning("a compile worker failed on %s for %s (%s); compiling it here",
+                               name, job.shape, result.error)
+                continue
+            store.adopt_piece(job.index, job.shape, Path(job.out))
+            with torch._inductor.config.patch(self.inductor_config):
+                tables[job.shape][job.index] = store.load_piece(job.index, job.shape)
+            self.monitor.piece_compiled_elsewhere(name, job.index, job.shape, result.seconds,
+                                                  result.fx_cache_hit, self.captured)
+        self.monitor.shape_compiled(f"{len(jobs)} pieces in {self.workers.count} workers",
+                                    time.perf_counter() - start)
+        self.monitor.times.compile_s += time.perf_counter() - start
 
     def _load_all(self, shape: TokenShape) -> list[Callable | None]:
         start = time.perf_counter()

@@ -1,0 +1,87 @@
+"""Cold compiles in worker processes: same outputs as in-process, artifacts land in the
+compile cache, a second start loads them all, a worker's failure falls back in-process."""
+
+import logging
+
+import pytest
+import torch
+
+from kiln.compile import compile_model
+from kiln.compile.cache import CacheRoot, CompileCache
+from kiln.compile.compile_workers import PieceResult
+from kiln.config import CompilationConfig
+
+# One range [1, 64] and one exact size: 2 shapes x 3 unique pieces of the 2-layer toy.
+CONFIG = dict(mode=3, piece_compiler="inductor", strategy="lazy", compile_sizes=[4])
+TOKEN_COUNTS = (1, 4, 9, 64)
+
+
+def _inputs(n):
+    gen = torch.Generator().manual_seed(n)
+    return torch.randint(0, 512, (n,), generator=gen), torch.arange(n)
+
+
+def _start(model, root, workers, **overrides):
+    config = CompilationConfig(**{**CONFIG, **overrides}, compile_workers=workers)
+    compiled = compile_model(model, config, 64,
+                             cache=CompileCache(CacheRoot(root), {"test": "workers"}, "tiny"))
+    compiled.warm_up(_inputs)
+    return compiled
+
+
+def test_workers_compile_the_pieces_and_a_second_start_loads_them(tiny_llama, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="kiln.compile"):
+        cold = _start(tiny_llama, tmp_path, workers=2)
+    assert "compiling 6 pieces in 2 worker processes" in caplog.text
+    stats = cold.stats
+    assert stats["graphs_seen"] == 1 and stats["unique_pieces"] == 3
+    assert stats["inductor_compiles"] == 6 and stats["compiles_after_capture"] == 0
+    assert cold.backend.workers is None  # the processes are gone once the capture is done
+    for n in TOKEN_COUNTS:
+        ids, pos = _inputs(n)
+        torch.testing.assert_close(cold(ids, pos), tiny_llama(ids, pos), rtol=1e-4, atol=1e-4)
+    entry = cold.entry
+    assert entry.complete() and entry.bad_files() == []
+    assert not list(entry.path.rglob("*.worker.tmp"))
+
+    warm = _start(tiny_llama, tmp_path, workers=2)
+    assert warm.stats["graphs_seen"] == 0 and warm.stats["inductor_compiles"] == 0
+    assert warm.stats["pieces_loaded"] == 6
+    ids, pos = _inputs(9)
+    torch.testing.assert_close(warm(ids, pos), cold(ids, pos), rtol=0, atol=0)
+
+
+class FailingWorkers:
+    """Stands in for the worker pool: every job fails, as a crashed compile would."""
+
+    count = 2
+
+    def __init__(self):
+        self.jobs = []
+
+    def compile(self, jobs):
+        self.jobs += jobs
+        return [PieceResult(job.index, job.shape, 0.0, False, "RuntimeError: boom") for job in jobs]
+
+    def close(self):
+        pass
+
+
+def test_a_failed_worker_compile_is_compiled_in_process(tiny_llama, tmp_path, caplog, monkeypatch):
+    import kiln.compile.compiled_model as compiled_model
+
+    workers = FailingWorkers()
+    monkeypatch.setattr(compiled_model, "CompileWorkers", lambda count: workers)
+    with caplog.at_level(logging.WARNING, logger="kiln.compile"):
+        compiled = _start(tiny_llama, tmp_path, workers=2, compile_sizes=[])
+    assert len(workers.jobs) == 3
+    assert caplog.text.count("RuntimeError: boom); compiling it here") == 3
+    assert compiled.stats["inductor_compiles"] == 3 and compiled.entry.complete()
+    ids, pos = _inputs(4)
+    torch.testing.assert_close(compiled(ids, pos), tiny_llama(ids, pos), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "two"])
+def test_compile_workers_must_be_a_count(bad):
+    with pytest.raises(ValueError, match="compile_workers must be a count"):
+        CompilationConfig(mode=3, compile_workers=bad)
