@@ -13,6 +13,7 @@ and kiln's ops) overlaps Dynamo's trace in the parent.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -57,10 +58,12 @@ class PieceResult:
 class CompileWorkers:
     def __init__(self, count: int):
         self.count = count
-        threads = max(1, (os.cpu_count() or 1) // count)
         self.pool = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"))
-        # A pool spawns a process per task while none is idle: one warm-up task each starts them all.
-        self.ready = [self.pool.submit(_warm_up, threads) for _ in range(count)]
+        # A pool spawns a process per task while none is idle: one warm-up task each starts them
+        # all, now. Each compiles its Triton kernels itself: a pool of Inductor's own per worker
+        # would start (and import torch) 16 more processes each, fighting Dynamo for the cores.
+        with _environment(TORCHINDUCTOR_COMPILE_THREADS="1", TORCH_WARM_POOL="0"):
+            self.ready = [self.pool.submit(_warm_up) for _ in range(count)]
 
     def compile(self, jobs: list[PieceJob]) -> list[PieceResult]:
         futures: list[Future] = [self.pool.submit(_compile, job) for job in jobs]
@@ -70,22 +73,55 @@ class CompileWorkers:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _warm_up(threads: int) -> float:
-    """Everything a worker's first compile would otherwise pay for."""
+@contextlib.contextmanager
+def _environment(**values: str):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _warm_up() -> float:
+    """Everything a worker's first compile would otherwise pay for, while the parent traces."""
     start = time.perf_counter()
     import torch
     import torch._inductor.codecache  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401
-    import torch._inductor.config
     import torch._inductor.select_algorithm  # noqa: F401
 
-    import kiln.ops  # noqa: F401  (registers the torch.ops.kiln.* ops the pieces call)
     import kiln.compile.pieces  # noqa: F401
+    import kiln.ops  # noqa: F401  (registers the torch.ops.kiln.* ops the pieces call)
 
-    torch._inductor.config.compile_threads = threads
     if torch.cuda.is_available():
         torch.cuda.init()
+        _compile_a_toy("cuda")
     return time.perf_counter() - start
+
+
+def _compile_a_toy(device: str) -> None:
+    """A first Inductor compile loads Triton's backend and driver and warms code generation
+    (seconds, once per process): done here on a toy, in a scratch cache dir."""
+    import tempfile
+
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    def toy(x):
+        return (x * 2 + 1).relu()
+
+    try:
+        with tempfile.TemporaryDirectory() as scratch, temporary_cache_dir(scratch):
+            graph = torch.fx.symbolic_trace(toy)
+            torch._inductor.standalone_compile(graph, [torch.randn(64, device=device)],
+                                               dynamic_shapes="from_example_inputs")
+    except Exception:  # only a head start: the real compile pays the same costs if this fails
+        pass
 
 
 def _compile(job: PieceJob) -> PieceResult:
