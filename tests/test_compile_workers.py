@@ -61,7 +61,7 @@ class FailingWorkers:
 
     def compile(self, jobs):
         self.jobs += jobs
-        return [PieceResult(job.index, job.shape, 0.0, False, "RuntimeError: boom") for job in jobs]
+        return [(job, PieceResult(job.index, job.shape, 0.0, False, "RuntimeError: boom")) for job in jobs]
 
     def close(self):
         pass

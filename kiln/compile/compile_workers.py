@@ -18,7 +18,8 @@ import multiprocessing
 import os
 import pickle
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,9 +66,12 @@ class CompileWorkers:
         with _environment(TORCHINDUCTOR_COMPILE_THREADS="1", TORCH_WARM_POOL="0"):
             self.ready = [self.pool.submit(_warm_up) for _ in range(count)]
 
-    def compile(self, jobs: list[PieceJob]) -> list[PieceResult]:
-        futures: list[Future] = [self.pool.submit(_compile, job) for job in jobs]
-        return [f.result() for f in futures]
+    def compile(self, jobs: list[PieceJob]) -> Iterator[tuple[PieceJob, PieceResult]]:
+        """Each job with its result, in the order they finish (so the caller loads one
+        artifact while the workers still compile others)."""
+        futures: dict[Future, PieceJob] = {self.pool.submit(_compile, job): job for job in jobs}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

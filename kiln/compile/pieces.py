@@ -266,7 +266,7 @@ class PieceSet:
             jobs.append(PieceJob(i, shape, pickle.dumps(piece.graph), piece.inputs, self.traced_tokens,
                                  store, self.inductor_config, str(out)))
         logger.info("compiling %d pieces in %d worker processes", len(jobs), self.workers.count)
-        for job, result in zip(jobs, self.workers.compile(jobs)):
+        for job, result in self.workers.compile(jobs):
             name = self.uniques[job.index].name
             if result.error is not None:
                 logger.warning("a compile worker failed on %s for %s (%s); compiling it here",
