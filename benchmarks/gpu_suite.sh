@@ -22,16 +22,19 @@ run() {
 # Parts, in the order they run; name some to run only those (a device call lasts at most
 # 10 minutes, and all of them together take longer: split them over two calls, e.g.
 # `bash benchmarks/gpu_suite.sh kernels graphs tiles` then `... engine cache bench`).
-parts=${*:-kernels graphs tiles engine cache bench}
+parts=${*:-kernels gemv graphs tiles engine cache bench}
 for part in $parts; do
     case $part in
         kernels) run python benchmarks/gpu_kernels.py "$OUT" ;;
+        gemv) run python benchmarks/gemv.py --out "$OUT" ;;
         graphs) run python benchmarks/cudagraphs.py --out "$OUT" --profile --recapture default ;;
         tiles) run python benchmarks/attention_tiles.py --out "$OUT" ;;
         engine) run python benchmarks/engine_throughput.py --device cuda --model llama-3-8b --out "$OUT" ;;
         cache) run python benchmarks/cache_start.py --device cuda --model llama-3-8b --out "$OUT" ;;
         bench) run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT" ;;
-        *) echo "unknown part $part; parts: kernels graphs tiles engine cache bench" >&2; exit 2 ;;
+        # Needs 2 GPUs (nvidia-h200-x2): TP=1 against TP=2, with and without sequence parallelism.
+        tp) run python benchmarks/tp_decode.py --out "$OUT" --modes graphs O2 O2+SP --batches 1 64 --timeout 150 ;;
+        *) echo "unknown part $part; parts: kernels gemv graphs tiles engine cache bench tp" >&2; exit 2 ;;
     esac
 done
 exit $status
