@@ -323,9 +323,9 @@ def _compile_all_for_sm90() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from kiln.ops.triton import activation, attention, norm, rotary
+    from kiln.ops.triton import activation, attention, gemv, norm, rotary
 
-    def build(kernel, args: dict, constants: dict, num_warps=4):
+    def build(kernel, args: dict, constants: dict, num_warps=4, num_stages=3):
         # Pointers and strides are marked 16-divisible, as the launcher marks real ones.
         signature, attrs = {}, {}
         for index, name in enumerate(kernel.arg_names):
@@ -336,7 +336,7 @@ def _compile_all_for_sm90() -> None:
             if args[name].startswith("*") or "stride" in name:
                 attrs[(index,)] = [["tt.divisibility", 16]]
         compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                options={"num_warps": num_warps})
+                options={"num_warps": num_warps, "num_stages": num_stages})
         print("compiled", kernel.__name__, constants)
 
     bf16, f32, i32 = "*bf16", "fp32", "i32"
@@ -376,6 +376,21 @@ def _compile_all_for_sm90() -> None:
           dict(out_ptr=bf16, partial_acc_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
                query_start_loc_ptr="*i32", num_seqs=i32, out_token_stride=i32, out_head_stride=i32),
           dict(HEAD_DIM=128, BLOCK_DIM=128, KV_SPLITS=8))
+    # Every GEMV config the autotuner may pick at Llama-3-8B shapes, at every padded row count.
+    gemv_args = dict(x_ptr=bf16, w_ptr=bf16, out_ptr=bf16, ws_ptr="*fp32", counter_ptr="*i32", M=i32, N=i32,
+                     K=i32, x_row_stride=i32, w_row_stride=i32, out_row_stride=i32)
+    for rows in (1, 2, 4):
+        for config in gemv.FMA_CONFIGS:
+            if gemv.config_fits(config, rows, 4096, 4096, 132, fma=True):
+                build(gemv._gemv_fma_kernel, gemv_args, dict(BLOCK_M=rows, EVEN_K=True, **config.kwargs),
+                      config.num_warps, config.num_stages)
+    for config in gemv.DOT_CONFIGS:
+        build(gemv._gemv_dot_kernel, gemv_args, dict(BLOCK_M=gemv.DOT_ROWS, EVEN_K=True, DOT_PRECISION="tf32",
+                                                     **config.kwargs), config.num_warps, config.num_stages)
+    fp32_args = dict(gemv_args, x_ptr="*fp32", w_ptr="*fp32", out_ptr="*fp32")
+    build(gemv._gemv_fma_kernel, fp32_args, dict(BLOCK_M=2, EVEN_K=False, **gemv.FMA_CONFIGS[0].kwargs))
+    build(gemv._gemv_dot_kernel, fp32_args, dict(BLOCK_M=gemv.DOT_ROWS, EVEN_K=False, DOT_PRECISION="ieee",
+                                                 **gemv.DOT_CONFIGS[4].kwargs))
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["compile-sm90"]:
