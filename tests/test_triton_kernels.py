@@ -207,6 +207,21 @@ def test_skinny_matmul_views_and_out(poisoned_empty):
     assert_close(out, x @ w.T, torch.float32, GEMV_TOL)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40])
+def test_skinny_linear_op_cuda_path(rows, monkeypatch):
+    """kiln::skinny_linear's CUDA implementation (called here on CPU tensors, the kernel
+    interpreted): the GEMV up to 16 rows, F.linear past them, the same result either way."""
+    from kiln.ops.linear import skinny_linear_cuda
+
+    launched = []
+    real = gemv.skinny_matmul
+    monkeypatch.setattr(gemv, "skinny_matmul", lambda *a, **k: launched.append(1) or real(*a, **k))
+    x, w, expected = _gemv_case(rows, torch.float32)
+    assert_close(skinny_linear_cuda(x.view(1, rows, GEMV_K), w), expected.view(1, rows, GEMV_N),
+                 torch.float32, GEMV_TOL)
+    assert bool(launched) == (rows <= 16)
+
+
 def test_skinny_matmul_rejects_unsupported_inputs():
     x, w = randn(3, 64), randn(8, 64)
     with pytest.raises(ValueError, match="at most"):
