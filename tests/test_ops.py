@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kiln.forward_context import set_forward_context
 from kiln.models import build_model
@@ -11,12 +12,14 @@ from kiln.ops.rotary import rope_inv_freq
 
 
 def test_custom_ops_lists():
-    assert set(known_ops()) == {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"}
+    assert set(known_ops()) == {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
+                                "skinny_linear"}
     assert resolve_custom_ops([], "none") == frozenset()
     assert resolve_custom_ops([], "all") == frozenset(known_ops())
     assert resolve_custom_ops(["none", "+rms_norm"], "all") == {"rms_norm"}
     assert resolve_custom_ops(["all", "-silu_and_mul"], "none") == set(known_ops()) - {"silu_and_mul"}
     assert resolve_custom_ops("none,+silu_and_mul", "all") == {"silu_and_mul"}
+    assert resolve_custom_ops(["all", "-skinny_linear"], "none") == set(known_ops()) - {"skinny_linear"}
 
 
 def _logits(custom_ops, ids):
@@ -50,8 +53,33 @@ def test_kernel_path_is_opaque_to_dynamo():
         torch.compile(model, backend=backend, fullgraph=True)(ids, ids)
     torch._dynamo.reset()
     for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
-               "kv_cache_write", "attention"):
+               "kv_cache_write", "attention", "skinny_linear"):
         assert any(f"kiln.{op}" in t for t in targets), op
+
+
+def test_skinny_linear_is_every_linear_layers_matmul():
+    """On: every linear layer (qkv, o, gate_up, down, lm_head) calls kiln::skinny_linear and
+    nothing else runs a matmul; off: F.linear, as before."""
+    from kiln.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
+
+    ids = torch.arange(3)
+    for enabled in (True, False):
+        ops = resolve_custom_ops(["none", "+skinny_linear"] if enabled else ["none"], "all")
+        model = build_model(PRESETS["tiny-llama"], torch.float32, torch.device("cpu"), ops, None)
+        linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        assert len(linears) == 4 * PRESETS["tiny-llama"].num_layers + 1
+        assert all(m.matmul.uses_kernel == enabled for m in linears)
+        calls = []
+
+        class Count(TorchDispatchMode):  # sees kiln ops whole (their insides run without the mode)
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                calls.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        with torch.inference_mode(), set_forward_context(None, {}), Count():
+            model.compute_logits(model(ids, ids))
+        skinny, linear = calls.count("skinny_linear"), sum(calls.count(name) for name in ("linear", "mm", "addmm", "matmul"))
+        assert (skinny, linear) == ((len(linears), 0) if enabled else (0, len(linears))), (skinny, linear)
 
 
 def test_llama31_rope_scaling_matches_transformers():

@@ -32,6 +32,7 @@ from kiln.ops.norm import fused_add_rms_norm_native, rms_norm_native  # noqa: E4
 from kiln.ops.rotary import rope_cos_sin_cache, rotary_native  # noqa: E402
 from kiln.ops.triton.activation import silu_and_mul  # noqa: E402
 from kiln.ops.triton.attention import paged_attention, write_kv  # noqa: E402
+from kiln.ops.triton import gemv  # noqa: E402
 from kiln.ops.triton.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from kiln.ops.triton.rotary import rotary_embedding  # noqa: E402
 
@@ -150,6 +151,85 @@ def test_rotary_embedding_on_qkv_views(head_dim, rotary_dim, dtype, poisoned_emp
     q_ref, k_ref = rotary_native(positions, q, k, cache, head_dim)
     assert_close(q_out, q_ref, dtype)
     assert_close(k_out, k_ref, dtype)
+
+
+# ---------------------------------------------------------------------------- skinny matmul (GEMV)
+
+# Against x @ w.T in fp32 on the same (rounded) inputs; both sum K=300 products in fp32 in a
+# different order, and the kernel rounds once to the output dtype (fp16: ~1 ulp of |y| ~ 20).
+GEMV_TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-2, 2e-3)}
+GEMV_N, GEMV_K = 70, 300  # neither a multiple of any block
+
+
+def _gemv_case(rows, dtype, n=GEMV_N, k=GEMV_K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, w = randn(rows, k, dtype=dtype, generator=g), randn(n, k, dtype=dtype, generator=g)
+    return x, w, (x.float() @ w.float().T).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
+def test_skinny_matmul_autotuned(rows, dtype, poisoned_empty):
+    x, w, expected = _gemv_case(rows, dtype)
+    assert_close(gemv.skinny_matmul(x, w), expected, dtype, GEMV_TOL)
+    assert gemv.chosen_config(rows, GEMV_N, GEMV_K, dtype) is not None
+
+
+@pytest.mark.parametrize("kernel,rows", [("fma", 1), ("fma", 3), ("dot", 2), ("dot", 11)])
+def test_skinny_matmul_every_config(kernel, rows, poisoned_empty):
+    """Each config by hand (the autotuner runs only the winner afterwards), split-K ones
+    included; the split counters must be left at zero for the next launch."""
+    x, w, expected = _gemv_case(rows, torch.float32)
+    for config in gemv.FMA_CONFIGS if kernel == "fma" else gemv.DOT_CONFIGS:
+        out = gemv.skinny_matmul(x, w, kernel=kernel, config=config)
+        assert_close(out, expected, torch.float32, GEMV_TOL)
+    assert not gemv._split_counters(x.device).any()
+
+
+@pytest.mark.parametrize("kernel", ["fma", "dot"])
+@pytest.mark.parametrize("split_k", [2, 3, 5, 8])
+def test_skinny_matmul_split_k_ragged(kernel, split_k, poisoned_empty):
+    # K = 520 over BLOCK_K = 64: 9 chunks, so splits get 5+4, 3+3+3, 2+2+2+2+1 and, with 8,
+    # 2+2+2+2+1 and three empty splits that still store zeros and arrive.
+    x, w, expected = _gemv_case(4, torch.float16, n=40, k=520)
+    config = triton.Config({"BLOCK_N": 32 if kernel == "dot" else 16, "BLOCK_K": 64, "SPLIT_K": split_k},
+                           num_warps=4, num_stages=2)
+    assert_close(gemv.skinny_matmul(x, w, kernel=kernel, config=config), expected, torch.float16, GEMV_TOL)
+    assert not gemv._split_counters(x.device).any()
+
+
+def test_skinny_matmul_views_and_out(poisoned_empty):
+    # x: rows of a wider tensor (strided) with a leading batch dim; w: rows of a fused weight.
+    x_full, w_full = randn(2, 3, 400), randn(100, GEMV_K)
+    x, w = x_full[..., :GEMV_K], w_full[10:80]
+    out = torch.full((2, 3, 70), float("nan"))
+    assert gemv.skinny_matmul(x, w, out=out) is out
+    assert_close(out, x @ w.T, torch.float32, GEMV_TOL)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40])
+def test_skinny_linear_op_cuda_path(rows, monkeypatch):
+    """kiln::skinny_linear's CUDA implementation (called here on CPU tensors, the kernel
+    interpreted): the GEMV up to 16 rows, F.linear past them, the same result either way."""
+    from kiln.ops.linear import skinny_linear_cuda
+
+    launched = []
+    real = gemv.skinny_matmul
+    monkeypatch.setattr(gemv, "skinny_matmul", lambda *a, **k: launched.append(1) or real(*a, **k))
+    x, w, expected = _gemv_case(rows, torch.float32)
+    assert_close(skinny_linear_cuda(x.view(1, rows, GEMV_K), w), expected.view(1, rows, GEMV_N),
+                 torch.float32, GEMV_TOL)
+    assert bool(launched) == (rows <= 16)
+
+
+def test_skinny_matmul_rejects_unsupported_inputs():
+    x, w = randn(3, 64), randn(8, 64)
+    with pytest.raises(ValueError, match="at most"):
+        gemv.skinny_matmul(randn(17, 64), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv.skinny_matmul(x, randn(64, 8).T)
+    with pytest.raises(ValueError, match="match"):
+        gemv.skinny_matmul(x.half(), w)
 
 
 # ---------------------------------------------------------------------------- paged KV cache and attention
@@ -323,9 +403,9 @@ def _compile_all_for_sm90() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from kiln.ops.triton import activation, attention, norm, rotary
+    from kiln.ops.triton import activation, attention, gemv, norm, rotary
 
-    def build(kernel, args: dict, constants: dict, num_warps=4):
+    def build(kernel, args: dict, constants: dict, num_warps=4, num_stages=3):
         # Pointers and strides are marked 16-divisible, as the launcher marks real ones.
         signature, attrs = {}, {}
         for index, name in enumerate(kernel.arg_names):
@@ -336,7 +416,7 @@ def _compile_all_for_sm90() -> None:
             if args[name].startswith("*") or "stride" in name:
                 attrs[(index,)] = [["tt.divisibility", 16]]
         compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                options={"num_warps": num_warps})
+                options={"num_warps": num_warps, "num_stages": num_stages})
         print("compiled", kernel.__name__, constants)
 
     bf16, f32, i32 = "*bf16", "fp32", "i32"
@@ -376,6 +456,21 @@ def _compile_all_for_sm90() -> None:
           dict(out_ptr=bf16, partial_acc_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
                query_start_loc_ptr="*i32", num_seqs=i32, out_token_stride=i32, out_head_stride=i32),
           dict(HEAD_DIM=128, BLOCK_DIM=128, KV_SPLITS=8))
+    # Every GEMV config the autotuner may pick at Llama-3-8B shapes, at every padded row count.
+    gemv_args = dict(x_ptr=bf16, w_ptr=bf16, out_ptr=bf16, ws_ptr="*fp32", counter_ptr="*i32", M=i32, N=i32,
+                     K=i32, x_row_stride=i32, w_row_stride=i32, out_row_stride=i32)
+    for rows in (1, 2, 4):
+        for config in gemv.FMA_CONFIGS:
+            if gemv.config_fits(config, rows, 4096, 4096, 132, fma=True):
+                build(gemv._gemv_fma_kernel, gemv_args, dict(BLOCK_M=rows, EVEN_K=True, **config.kwargs),
+                      config.num_warps, config.num_stages)
+    for config in gemv.DOT_CONFIGS:
+        build(gemv._gemv_dot_kernel, gemv_args, dict(BLOCK_M=gemv.DOT_ROWS, EVEN_K=True, DOT_PRECISION="tf32",
+                                                     **config.kwargs), config.num_warps, config.num_stages)
+    fp32_args = dict(gemv_args, x_ptr="*fp32", w_ptr="*fp32", out_ptr="*fp32")
+    build(gemv._gemv_fma_kernel, fp32_args, dict(BLOCK_M=2, EVEN_K=False, **gemv.FMA_CONFIGS[0].kwargs))
+    build(gemv._gemv_dot_kernel, fp32_args, dict(BLOCK_M=gemv.DOT_ROWS, EVEN_K=False, DOT_PRECISION="ieee",
+                                                 **gemv.DOT_CONFIGS[4].kwargs))
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["compile-sm90"]:

@@ -5,7 +5,10 @@ communication: the next layer consumes the slice), a row-parallel linear keeps t
 matching slice of the input features and sums the partial outputs with kiln::all_reduce.
 The embedding and the LM head split the vocabulary. Each layer reads the sharding from
 kiln.distributed.tp_state() when it is built; with one rank it computes exactly what
-nn.Linear / nn.Embedding compute, with the same parameter name (`weight`).
+nn.Linear / nn.Embedding compute, with the same parameter name (`weight`). The linear
+layers' matmul is kiln::skinny_linear when that op is on in `custom_ops` (a Triton GEMV
+for decode-sized batches on CUDA), F.linear otherwise; a row-parallel layer's all-reduce
+follows the matmul either way.
 
 Weights arrive whole (a checkpoint tensor, or a random full tensor) and each layer's
 `load_weight` keeps its rank's slice, so every tensor-parallel size loads the same files.
@@ -19,6 +22,7 @@ from torch import nn
 
 from kiln.distributed import tp_state
 from kiln.distributed.collectives import all_gather, all_reduce
+from kiln.ops.linear import SkinnyLinear
 
 
 def per_rank(size: int, what: str, parts: int) -> int:
@@ -57,6 +61,7 @@ class ColumnParallelLinear(ShardedLayer):
         self.full_weight_shape = (sum(output_sizes), input_size)
         self.weight = nn.Parameter(torch.empty(sum(self.shard_sizes), input_size))
         self.gather_output = gather_output and tp.size > 1
+        self.matmul = SkinnyLinear()
 
     def load_weight(self, full: torch.Tensor, part: int | None = None) -> None:
         """Keep this rank's rows of `full`: the whole fused weight, or output `part` of it."""
@@ -72,7 +77,7 @@ class ColumnParallelLinear(ShardedLayer):
             dest.copy_(source.narrow(0, self.tp.rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, self.weight)
         if not self.gather_output:
             return y
         # all_gather stacks the ranks' [tokens, features / size] slices along dim 0;
@@ -92,13 +97,14 @@ class RowParallelLinear(ShardedLayer):
         self.full_weight_shape = (output_size, input_size)
         self.weight = nn.Parameter(torch.empty(output_size, self.shard_cols))
         self.reduce = tp.size > 1
+        self.matmul = SkinnyLinear()
 
     def load_weight(self, full: torch.Tensor, part: int | None = None) -> None:
         _check_shape(full, self.full_weight_shape)
         self.weight.data.copy_(full.narrow(1, self.tp.rank * self.shard_cols, self.shard_cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, self.weight)
         return all_reduce(y, self.tp.group_name) if self.reduce else y
 
 

@@ -1,0 +1,54 @@
+"""The matmul of the linear layers: y = x W^T, with a Triton GEMV for decode-sized batches.
+
+On CUDA the op takes the Triton skinny matmul (kiln/ops/triton/gemv.py) when x has at most
+MAX_ROWS rows and cuBLAS (F.linear) otherwise. The row check is inside the op, which Dynamo
+sees as one opaque call, so a traced forward holds no branch on the batch size; inside a
+CUDA graph the branch was taken once, at capture, for that graph's size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.custom_op import CustomOp
+
+MAX_ROWS = 16  # kiln.ops.triton.gemv.MAX_ROWS; not imported here, so CPU never imports triton
+_GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@torch.library.custom_op("kiln::skinny_linear", mutates_args=())
+def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+@skinny_linear_op.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (0 < rows <= MAX_ROWS and x.dtype == weight.dtype and x.dtype in _GEMV_DTYPES
+            and weight.dim() == 2 and weight.stride(-1) == 1)
+
+
+@skinny_linear_op.register_kernel("cuda")
+def skinny_linear_cuda(x, weight):
+    if not takes_gemv(x, weight):
+        return F.linear(x, weight)
+    from kiln.ops.triton.gemv import skinny_matmul
+
+    return skinny_matmul(x, weight)
+
+
+class SkinnyLinear(CustomOp):
+    """y = x W^T for a weight its owner holds (the sharded linear layers)."""
+
+    op_names = ("skinny_linear",)
+
+    def forward_native(self, x, weight):
+        return F.linear(x, weight)
+
+    def forward_kernel(self, x, weight):
+        return skinny_linear_op(x, weight)

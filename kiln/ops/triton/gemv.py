@@ -1,0 +1,326 @@
+"""Skinny matmul y = x @ W.T for a few rows of x (decode: M <= 16), as Triton kernels.
+
+At batch 1..16 a linear layer is a matrix-vector product: it reads every weight once and
+does almost no arithmetic per byte, so its speed is the weight bytes over HBM bandwidth.
+cuBLAS splits K for these shapes and launches a separate `splitKreduce` kernel per matmul;
+these kernels stream W once and keep the reduction inside the launch.
+
+W is [N, K] with K contiguous (nn.Linear's layout). A program owns BLOCK_N output features
+for all M rows and walks K in BLOCK_K chunks, loading W rows along K (wide, coalesced) and
+accumulating in fp32. There are two kernels, chosen by M:
+
+- `_gemv_fma_kernel` (M <= FMA_MAX_ROWS): multiply-adds on CUDA cores into an fp32 tile
+  [BLOCK_M, BLOCK_N, BLOCK_K] that is summed over K once, after the loop, so the loop has
+  no cross-thread reductions. Its registers grow with BLOCK_M, hence the row limit.
+- `_gemv_dot_kernel` (more rows): at 16 rows CUDA cores cannot keep up with HBM on an
+  H200 (~9 bf16 weights per SM per cycle need ~144 FMAs, the SM has 128), so this one uses
+  tensor cores, computing y.T = W @ x.T: W's tile is the dot's M side (>= 64 rows, what
+  sm90 wants) and the padded x rows (16) its N side.
+
+Split-K (SPLIT_K > 1, for N too small to fill the GPU, e.g. o_proj and down_proj): the
+programs of one column tile each sum a contiguous range of K and store fp32 partials in a
+workspace; each then bumps a per-tile counter, and the last to arrive adds the partials
+in split order (0, 1, ...), so the result does not depend on timing, writes y and resets
+the counter to 0. One launch, no atomics on the data, deterministic, and safe to capture
+in a CUDA graph (the counters are a persistent zeroed buffer that every launch leaves
+zeroed). The counters are shared by all launches on a device: launches that could overlap
+(two streams at once) are not supported.
+
+Configs are autotuned per (N, K, padded rows, dtype) on the first call of a shape, which in
+kiln is the warm-up before CUDA-graph capture; configs that cannot help a shape (too many
+registers for its row count, split-K where the columns alone fill the GPU) are pruned.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # above this, callers use cuBLAS
+FMA_MAX_ROWS = 4
+DOT_ROWS = 16  # x rows are padded to this for tl.dot (its minimum)
+# The FMA kernel's accumulator: at most this many fp32 registers per thread.
+MAX_ACC_PER_THREAD = 64
+# Column tiles a split-K launch may have (the counter buffer's length).
+MAX_SPLIT_TILES = 1024
+_FALLBACK_NUM_SMS = 132  # an H200, for pruning when no GPU is visible (the interpreter)
+
+
+@triton.jit
+def _store_result(acc, rows, cols, M, N, out_ptr, out_row_stride, ws_ptr, counter_ptr, pid_n, pid_k,
+                  SPLIT_K: tl.constexpr):
+    """Write the fp32 tile `acc` (rows x cols, broadcast index tensors of its shape) to out;
+    with split-K, through the workspace and the last-arriver reduction."""
+    mask = (rows < M) & (cols < N)
+    out_ptrs = out_ptr + rows * out_row_stride + cols
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        slab = M * N
+        tl.store(ws_ptr + pid_k * slab + rows * N + cols, acc, mask=mask)
+        # Every thread's partial is stored before one thread publishes the arrival (release);
+        # the last arriver's acquire makes the other programs' partials visible to it.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for split in tl.static_range(SPLIT_K):
+                # .cg: read at L2, where the other SMs' stores are, never a stale L1 line.
+                total += tl.load(ws_ptr + split * slab + rows * N + cols, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
+                     x_row_stride, w_row_stride, out_row_stride,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # Splits start at multiples of BLOCK_K, so only the last chunk of K can be partial.
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    # Columns past N read row N - 1 (their results are masked at the store): no mask on
+    # the weight loads, which keeps them full width.
+    w_rows = tl.minimum(cols, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + w_rows[:, None] * w_row_stride + (k_start + ks)[None, :]
+    x_ptrs = x_ptr + rows[:, None] * x_row_stride + (k_start + ks)[None, :]
+    row_mask = rows[:, None] < M
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=row_mask, other=0.0)
+        else:
+            k_mask = (k + ks) < K
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=row_mask & k_mask[None, :], other=0.0)
+        if BLOCK_M == 1:
+            acc += w.to(tl.float32) * x.to(tl.float32)
+        else:
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if BLOCK_M == 1:
+        result = tl.sum(acc, axis=1)[None, :]
+    else:
+        result = tl.sum(acc, axis=2)
+    _store_result(result, rows[:, None], cols[None, :], M, N, out_ptr, out_row_stride, ws_ptr, counter_ptr,
+                  pid_n, pid_k, SPLIT_K)
+
+
+@triton.jit
+def _gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
+                     x_row_stride, w_row_stride, out_row_stride,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_rows = tl.minimum(cols, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + w_rows[:, None] * w_row_stride + (k_start + ks)[None, :]
+    x_ptrs = x_ptr + rows[:, None] * x_row_stride + (k_start + ks)[None, :]
+    row_mask = rows[:, None] < M
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y.T's tile
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=row_mask, other=0.0)
+        else:
+            k_mask = (k + ks) < K
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=row_mask & k_mask[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    _store_result(acc, rows[None, :], cols[:, None], M, N, out_ptr, out_row_stride, ws_ptr, counter_ptr,
+                  pid_n, pid_k, SPLIT_K)
+
+
+def _config(block_n, block_k, split_k, num_warps, num_stages) -> triton.Config:
+    return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k},
+                         num_warps=num_warps, num_stages=num_stages)
+
+
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages). Each thread loads 8-32 weights (one
+# to four 16-byte vectors of bf16) per chunk; the pruning keeps those whose accumulator fits.
+FMA_CONFIGS = [
+    _config(8, 512, 1, 4, 3),
+    _config(16, 512, 1, 8, 3),
+    _config(32, 256, 1, 8, 3),
+    _config(16, 256, 1, 4, 4),
+    _config(16, 256, 1, 8, 4),
+    _config(8, 256, 1, 4, 4),
+    _config(16, 512, 2, 8, 3),
+    _config(16, 256, 4, 8, 4),
+]
+# The dot kernel stages W tiles in shared memory: num_stages x (BLOCK_N + 16) x BLOCK_K x 2
+# bytes stays under ~150 KB.
+DOT_CONFIGS = [
+    _config(64, 128, 1, 4, 4),
+    _config(64, 256, 1, 4, 3),
+    _config(128, 128, 1, 4, 4),
+    _config(32, 256, 1, 4, 4),
+    _config(64, 128, 2, 4, 4),
+    _config(64, 256, 4, 4, 3),
+    _config(32, 256, 2, 4, 4),
+]
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _FALLBACK_NUM_SMS
+
+
+def config_fits(config: triton.Config, rows: int, N: int, K: int, num_sms: int, fma: bool) -> bool:
+    """Whether `config` is worth trying for this shape (rows: the padded BLOCK_M)."""
+    block_n, block_k, split_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"], config.kwargs["SPLIT_K"]
+    if fma and rows * block_n * block_k > MAX_ACC_PER_THREAD * 32 * config.num_warps:
+        return False
+    if split_k > 1:
+        tiles = triton.cdiv(N, block_n)
+        # Split only when the column tiles alone leave SMs short of work, and each split
+        # still streams at least two chunks.
+        if tiles >= 2 * num_sms or tiles > MAX_SPLIT_TILES or triton.cdiv(K, block_k) < 2 * split_k:
+            return False
+    return True
+
+
+def _fitting(configs, rows, N, K, num_sms, fma):
+    fitting = [c for c in configs if config_fits(c, rows, N, K, num_sms, fma)]
+    # Never prune everything: the smallest accumulator always compiles.
+    return fitting or [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] / c.num_warps)]
+
+
+def _prune(fma):
+    def prune(configs, named_args, **kwargs):
+        x = named_args["x_ptr"]
+        return _fitting(configs, kwargs["BLOCK_M"], named_args["N"], named_args["K"], _num_sms(x.device), fma)
+    return prune
+
+
+def _bench(fn, quantiles):
+    if not torch.cuda.is_available():
+        # The interpreter (CPU tests): no timers to read; one run, so tuning still runs
+        # every candidate end to end.
+        start = time.perf_counter()
+        fn()
+        return [time.perf_counter() - start] * len(quantiles)
+    # Short runs: tuning happens in warm-up, once per shape; do_bench still clears L2 between
+    # runs, so W streams from HBM as it does in a decode step.
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+_KEY = ["N", "K", "BLOCK_M"]
+_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+fma_kernel = triton.autotune(FMA_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune(True)},
+                             do_bench=_bench)(_even_k(_gemv_fma_kernel))
+dot_kernel = triton.autotune(DOT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune(False)},
+                             do_bench=_bench)(_even_k(_gemv_dot_kernel))
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    # Allocated on the first call at a device (warm-up), zero ever after between launches.
+    if device not in _counters:
+        _counters[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+def choose_kernel(rows: int) -> str:
+    return "fma" if rows <= FMA_MAX_ROWS else "dot"
+
+
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                  kernel: str | None = None, config: triton.Config | None = None) -> torch.Tensor:
+    """x @ weight.T for x [..., K] with at most MAX_ROWS rows and weight [N, K] (K contiguous).
+
+    Accumulates in fp32; the result has x's dtype. `out` ([rows, N] or x.shape[:-1] + (N,),
+    last dim contiguous) receives it if given. `kernel` ("fma" / "dot") and `config` force a
+    kernel and a config instead of the row-count rule and the autotuner (tests, benchmarks).
+    """
+    K = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1:
+        raise ValueError(f"skinny_matmul: weight must be [N, {K}] with K contiguous, got {tuple(weight.shape)} "
+                         f"strides {weight.stride()}")
+    if x.dtype != weight.dtype or x.device != weight.device:
+        raise ValueError(f"skinny_matmul: x {x.dtype} on {x.device} and weight {weight.dtype} on {weight.device} "
+                         f"must match")
+    N = weight.shape[0]
+    rows_view = x.reshape(-1, K)
+    if rows_view.stride(-1) != 1:
+        rows_view = rows_view.contiguous()
+    M = rows_view.shape[0]
+    if M > MAX_ROWS:
+        raise ValueError(f"skinny_matmul: {M} rows, at most {MAX_ROWS}")
+    shape = (*x.shape[:-1], N)
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) not in (shape, (M, N)) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"skinny_matmul: out must be {shape} {x.dtype} with a contiguous last dim, "
+                         f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    out_rows = out.view(M, N)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+
+    kernel = kernel or choose_kernel(M)
+    fma = kernel == "fma"
+    block_m = max(triton.next_power_of_2(M), 1) if fma else DOT_ROWS
+    if not fma and M > DOT_ROWS:
+        raise ValueError(f"skinny_matmul: the dot kernel takes at most {DOT_ROWS} rows")
+    autotuned = fma_kernel if fma else dot_kernel
+    candidates = [config] if config is not None else _fitting(autotuned.configs, block_m, N, K,
+                                                            _num_sms(x.device), fma)
+    max_split = max(c.kwargs["SPLIT_K"] for c in candidates)
+    # Every split writes M x N fp32 partials; a workspace for the largest split any
+    # candidate uses (unread, and one element, when none splits).
+    workspace = torch.empty(max_split * M * N if max_split > 1 else 1, dtype=torch.float32, device=x.device)
+    args = (rows_view, weight, out_rows, workspace, _split_counters(x.device), M, N, K,
+            rows_view.stride(0), weight.stride(0), out_rows.stride(0))
+    extra = {} if fma else {"DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
+
+    def grid(meta):
+        return (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+    if config is None:
+        autotuned[grid](*args, BLOCK_M=block_m, **extra)
+    else:
+        if config.kwargs["SPLIT_K"] > 1 and triton.cdiv(N, config.kwargs["BLOCK_N"]) > MAX_SPLIT_TILES:
+            raise ValueError(f"skinny_matmul: split-K over more than {MAX_SPLIT_TILES} column tiles")
+        block_k = config.kwargs["BLOCK_K"]
+        # The autotuner's inner function, with the heuristic applied by hand.
+        autotuned.fn.fn[grid](*args, BLOCK_M=block_m, EVEN_K=K % block_k == 0, **extra, **config.all_kwargs())
+    return out
+
+
+def chosen_config(rows: int, N: int, K: int, dtype: torch.dtype, kernel: str | None = None) -> triton.Config | None:
+    """The config the autotuner picked for this shape (None before its first call)."""
+    kernel = kernel or choose_kernel(rows)
+    fma = kernel == "fma"
+    block_m = max(triton.next_power_of_2(rows), 1) if fma else DOT_ROWS
+    autotuned = fma_kernel if fma else dot_kernel
+    for key, config in autotuned.cache.items():
+        if tuple(key[:3]) == (N, K, block_m) and str(dtype) in key[3:]:
+            return config
+    return None
