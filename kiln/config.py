@@ -92,6 +92,15 @@ class EngineConfig:
         # kernels are the only fusion there is.
         return "none" if self.compilation_config.uses_inductor else "all"
 
+    def resolved_custom_ops(self) -> frozenset[str]:
+        """The ops whose kernel path the model takes: `custom_ops` over the default base."""
+        enabled = resolve_custom_ops(self.custom_ops, self.default_custom_ops_base)
+        # The GEMV only has a CUDA kernel: elsewhere its op is F.linear behind a dispatcher
+        # call (6 us more a matmul on the 2-core CPU), so only an explicit +skinny_linear keeps it.
+        if self.torch_device.type != "cuda" and "+skinny_linear" not in self.custom_ops:
+            enabled -= {"skinny_linear"}
+        return enabled
+
     @property
     def torch_device(self) -> torch.device:
         if self.device == "auto":

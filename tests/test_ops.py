@@ -96,3 +96,14 @@ def test_llama31_rope_scaling_matches_transformers():
 def test_unknown_rope_scaling_is_an_error():
     with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported"):
         rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+def test_skinny_linear_is_on_by_default_on_cuda_only(monkeypatch):
+    from kiln.config import EngineConfig
+
+    cpu = EngineConfig(model="tiny-llama", device="cpu").resolved_custom_ops()
+    assert "rms_norm" in cpu and "skinny_linear" not in cpu  # no CPU kernel: F.linear directly
+    asked = EngineConfig(model="tiny-llama", device="cpu", custom_ops=["all", "+skinny_linear"])
+    assert "skinny_linear" in asked.resolved_custom_ops()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the config only, nothing runs
+    assert "skinny_linear" in EngineConfig(model="tiny-llama", device="cuda").resolved_custom_ops()

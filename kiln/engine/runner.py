@@ -21,7 +21,7 @@ from kiln.engine.timeline import StartupTimeline
 from kiln.forward_context import AttentionMetadata, set_forward_context, warm_up_metadata
 from kiln.loader import ModelSource
 from kiln.models import build_model
-from kiln.ops import Attention, resolve_custom_ops
+from kiln.ops import Attention
 
 logger = logging.getLogger("kiln")
 
@@ -73,7 +73,7 @@ class ModelRunner:
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.block_size = config.block_size
-        self.custom_ops = resolve_custom_ops(config.custom_ops, config.default_custom_ops_base)
+        self.custom_ops = config.resolved_custom_ops()
         with timeline.phase("weights"):
             self.model = build_model(source.config, self.dtype, self.device, self.custom_ops,
                                      source.weights() if source.weights else None)

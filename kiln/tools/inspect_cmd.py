@@ -32,11 +32,10 @@ def inspect_model(config: EngineConfig, compile_missing: bool = True) -> dict:
     """The report for `config`; compiles only when no cache entry has these settings and
     `compile_missing` is set."""
     from kiln.loader import load_source
-    from kiln.ops import resolve_custom_ops
 
     source = load_source(config.model)
     compilation = config.compilation_config
-    custom_ops = resolve_custom_ops(config.custom_ops, config.default_custom_ops_base)
+    custom_ops = config.resolved_custom_ops()
     report = {"model": source.name, "device": str(config.torch_device),
               "dtype": str(config.torch_dtype).removeprefix("torch."),
               "max_num_batched_tokens": config.max_num_batched_tokens,

@@ -58,11 +58,10 @@ def prewarm(config: EngineConfig) -> dict:
     from kiln.engine.timeline import StartupTimeline
     from kiln.loader import load_source
     from kiln.models import build_model
-    from kiln.ops import resolve_custom_ops
 
     source = load_source(config.model)
     dtype, device = config.torch_dtype, config.torch_device
-    custom_ops = resolve_custom_ops(config.custom_ops, config.default_custom_ops_base)
+    custom_ops = config.resolved_custom_ops()
     cache = compile_cache(source, dtype, custom_ops)
     if cache is None:
         raise ValueError("the compile cache is off (KILN_DISABLE_COMPILE_CACHE is set): nothing to prewarm")
