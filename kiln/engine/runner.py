@@ -22,6 +22,7 @@ from kiln.forward_context import AttentionMetadata, set_forward_context, warm_up
 from kiln.loader import ModelSource
 from kiln.models import build_model
 from kiln.ops import Attention
+from kiln.ops.linear import GEMV_ROW_BUCKETS
 
 logger = logging.getLogger("kiln")
 
@@ -122,6 +123,13 @@ class ModelRunner:
         n = self.config.max_num_batched_tokens
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.inference_mode(), set_forward_context(None, {}):
+            if "skinny_linear" in self.custom_ops:
+                # The GEMV autotunes each weight shape once per row bucket, with a scratch
+                # buffer to flush L2: done here, before the KV cache takes that memory (the
+                # logits of a step are computed outside its CUDA graph, so tune them too).
+                for rows in (r for r in GEMV_ROW_BUCKETS if r <= n):
+                    small = self.compiled(ids[:rows], torch.zeros_like(ids[:rows]))
+                    self.model.compute_logits(small)
             hidden = self.compiled(ids, torch.zeros_like(ids))
             # A step samples at most one row per sequence.
             self.model.compute_logits(hidden[: self.config.max_num_seqs])
