@@ -81,6 +81,9 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         cache = compile_cache(source, self.dtype, self.custom_ops)
         self.compiled = compile_forward(self.model, config, cache, timeline)
+        if "skinny_linear" in self.custom_ops and self.device.type == "cuda":
+            with timeline.phase("gemv_tuning"):
+                self._tune_gemv()
         with timeline.phase("kv_cache"):
             self.num_blocks = self._num_kv_blocks()
             self.kv_caches = {
@@ -116,6 +119,17 @@ class ModelRunner:
             return int(self.config.kv_cache_gib * 2**30) // self.bytes_per_block
         return self._profile_gpu_blocks()
 
+    def _tune_gemv(self) -> None:
+        """The GEMV autotunes each weight shape once per row bucket, with a scratch buffer to
+        flush L2: before the KV cache takes that memory, and before serving (a step's logits
+        are computed outside its CUDA graph, so they are tuned here too)."""
+        rows = [r for r in GEMV_ROW_BUCKETS if r <= self.config.max_num_batched_tokens]
+        with torch.inference_mode(), set_forward_context(None, {}):
+            for n in rows:
+                ids = torch.zeros(n, dtype=torch.long, device=self.device)
+                self.model.compute_logits(self.compiled(ids, ids))
+        torch.cuda.synchronize()
+
     def _profile_gpu_blocks(self) -> int:
         """Blocks that fit in the GPU share left after a forward of the largest batch."""
         torch.cuda.empty_cache()
@@ -123,13 +137,6 @@ class ModelRunner:
         n = self.config.max_num_batched_tokens
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.inference_mode(), set_forward_context(None, {}):
-            if "skinny_linear" in self.custom_ops:
-                # The GEMV autotunes each weight shape once per row bucket, with a scratch
-                # buffer to flush L2: done here, before the KV cache takes that memory (the
-                # logits of a step are computed outside its CUDA graph, so tune them too).
-                for rows in (r for r in GEMV_ROW_BUCKETS if r <= n):
-                    small = self.compiled(ids[:rows], torch.zeros_like(ids[:rows]))
-                    self.model.compute_logits(small)
             hidden = self.compiled(ids, torch.zeros_like(ids))
             # A step samples at most one row per sequence.
             self.model.compute_logits(hidden[: self.config.max_num_seqs])
