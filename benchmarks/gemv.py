@@ -12,7 +12,7 @@ For each weight shape (N, K) and each row count M in 1, 2, 4, 8, 16:
   is still in L2 from the call before (a decode step reads every weight once); the
   graph's outputs are checked again after the replays (split-K counters must survive them);
 - microseconds per call, GB/s ((W + x + y) bytes / time), cuBLAS time / kernel time, and
-  the config the autotuner picked. At M = 4 and 8 the other kernel (dot / fma) is timed
+  the config the autotuner picked. At M = 1, 2 and 4 the other kernel (dot / fma) is timed
   too, to check the FMA_MAX_ROWS threshold.
 
 Then the decode step of Llama-3-8B (32 layers x qkv, o, gate_up, down, plus lm_head) at
@@ -152,7 +152,7 @@ def bench_case(name, n, k, m, weights, results):
     row = {"shape": name, "N": n, "K": k, "M": m, "bytes": nbytes}
     row["cublas_rel_err"] = rel_err(F.linear(x, w0), ref)
     impls = {"cublas": F.linear, "triton": lambda x, w: gemv.skinny_matmul(x, w)}
-    other = {4: "dot", 8: "fma"}.get(m)
+    other = {1: "dot", 2: "fma", 4: "fma"}.get(m)
     if other:
         impls[f"triton_{other}"] = lambda x, w: gemv.skinny_matmul(x, w, kernel=other)
     for impl, fn in impls.items():

@@ -202,7 +202,7 @@ def test_skinny_matmul_views_and_out(poisoned_empty):
     # x: rows of a wider tensor (strided) with a leading batch dim; w: rows of a fused weight.
     x_full, w_full = randn(2, 3, 400), randn(100, GEMV_K)
     x, w = x_full[..., :GEMV_K], w_full[10:80]
-    out = torch.full((2, 3, 70), float("nan"))
+    out = torch.full((2, 3, 70), float("nan"), device=DEVICE)
     assert gemv.skinny_matmul(x, w, out=out) is out
     assert_close(out, x @ w.T, torch.float32, GEMV_TOL)
 

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from kiln.ops.custom_op import CustomOp
 
 MAX_ROWS = 16  # kiln.ops.triton.gemv.MAX_ROWS; not imported here, so CPU never imports triton
-# Row counts that cover every autotuning key of the GEMV (rows pad to 1, 2, 4, then 16).
-GEMV_ROW_BUCKETS = (1, 2, 4, 16)
+# Row counts that cover every autotuning key of the GEMV (one row; 2 to 16 pad to 16).
+GEMV_ROW_BUCKETS = (1, 16)
 _GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

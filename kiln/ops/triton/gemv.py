@@ -40,7 +40,10 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16  # above this, callers use cuBLAS
-FMA_MAX_ROWS = 4
+# Measured on the H200 (benchmarks/gemv.py): the FMA kernel wins at one row (qkv 1.14x,
+# o_proj 1.09x over cuBLAS) but lost 0.5-0.9x at 2 and 4 rows, where the tl.dot kernel
+# (x padded to 16 rows) matched or beat cuBLAS.
+FMA_MAX_ROWS = 1
 DOT_ROWS = 16  # x rows are padded to this for tl.dot (its minimum)
 # The FMA kernel's accumulator: at most this many fp32 registers per thread.
 MAX_ACC_PER_THREAD = 64
@@ -278,6 +281,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     elif tuple(out.shape) not in (shape, (M, N)) or out.dtype != x.dtype or out.stride(-1) != 1:
         raise ValueError(f"skinny_matmul: out must be {shape} {x.dtype} with a contiguous last dim, "
                          f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    if out.device != x.device:
+        raise ValueError(f"skinny_matmul: out is on {out.device}, x on {x.device}; they must match")
     out_rows = out.view(M, N)
     if M == 0 or N == 0:
         return out
