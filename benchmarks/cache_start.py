@@ -49,7 +49,7 @@ def child(args: argparse.Namespace, config_argv: list[str]) -> None:
     print(json.dumps({
         "phases_s": phases, "compile_phase_s": sum(phases.get(p, 0.0) for p in COMPILE_PHASES),
         "engine_ready_s": engine.timeline.ready_seconds, "process_ready_s": ready,
-        "stats": compiled.stats, "entry": compiled.entry.key if compiled.entry else None,
+        "warm_phases_s": compiled.stats["warm_phases_s"], "stats": compiled.stats, "entry": compiled.entry.key if compiled.entry else None,
         "describe": compiled.describe(), "torch": torch.__version__,
         "device_name": (torch.cuda.get_device_name() if config.torch_device.type == "cuda"
                         else f"cpu ({platform.processor() or platform.machine()})"),
@@ -74,7 +74,11 @@ def start(args: argparse.Namespace, config_argv: list[str], root: str, profile: 
 
 
 def summary(runs: list[dict]) -> dict:
-    return {k: statistics.median(r[k] for r in runs) for k in ("compile_phase_s", "engine_ready_s", "process_ready_s")}
+    medians = {k: statistics.median(r[k] for r in runs) for k in ("compile_phase_s", "engine_ready_s", "process_ready_s")}
+    parts = dict.fromkeys(p for r in runs for p in r.get("warm_phases_s", {}))
+    medians["warm_phases_s"] = {p: round(statistics.median(r.get("warm_phases_s", {}).get(p, 0.0) for r in runs), 4)
+                                for p in parts}
+    return medians
 
 
 def main(argv: list[str]) -> None:
@@ -111,6 +115,7 @@ def main(argv: list[str]) -> None:
               f"{w['engine_ready_s']:.2f} s (process {w['process_ready_s']:.2f} s); "
               f"{w['stats']['inductor_compiles']} Inductor compiles, {w['stats']['graphs_seen']} Dynamo graphs, "
               f"{w['stats']['pieces_loaded']} artifacts loaded", flush=True)
+        print(f"    warm start parts: {_parts(w)}", flush=True)
     target = 1.0 if args.device == "cuda" else 2.0
     report = {"model": args.model, "device": cold["device_name"], "torch": cold["torch"], "dtype": cold["dtype"],
               "threads": os.environ.get("OMP_NUM_THREADS"), "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -126,6 +131,7 @@ def main(argv: list[str]) -> None:
         print(f"{args.model} on {cold['device_name']}: compile phase cold {cold['compile_phase_s']:.2f} s -> warm "
               f"{m['compile_phase_s']:.2f} s (median; {verdict} the {target:.0f} s target); start-up to ready cold "
               f"{cold['engine_ready_s']:.2f} s -> warm {m['engine_ready_s']:.2f} s")
+        print(f"warm start parts (median s): {_parts(m)}")
     print(f"wrote {path}")
     if args.profile:
         # Separate starts, so that cProfile's overhead stays out of the timed numbers above.
@@ -135,6 +141,11 @@ def main(argv: list[str]) -> None:
             run = start(args, config_argv, profile_root, args.profile / f"cache_start_{kind}.prof")
             print(f"profiled {kind} start: compile phase {run['compile_phase_s']:.2f} s {_phases(run)} "
                   f"-> {args.profile}/cache_start_{kind}.prof")
+
+
+def _parts(run: dict) -> str:
+    """The warm start's parts (CompiledModel._warm_start); a dotted name is a finer part of the one before."""
+    return ", ".join(f"{k} {v:.3f}" for k, v in run.get("warm_phases_s", {}).items())
 
 
 def _phases(run: dict) -> str:
