@@ -144,6 +144,19 @@ class CacheRoot:
             raise ValueError(f"{'no' if not found else len(found)} cache entries match {prefix!r} in {self.path}")
         return found[0]
 
+    def has_entry_for(self, model: str, device_type: str) -> bool:
+        """Whether an entry of `model` (its manifest's name) on `device_type` is here: a cheap
+        guess that a start will be warm, made before the key can be computed."""
+        for manifest in self.path.glob("*/" + MANIFEST) if self.path.is_dir() else ():
+            try:
+                info = json.loads(manifest.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(info, dict) and info.get("model") == model and info.get("graph") and \
+                    str(info.get("device", "")).split(":")[0] == device_type:
+                return True
+        return False
+
     def read_index(self, prekey: str) -> list[str] | None:
         try:
             return json.loads((self.path / "index" / f"{prekey}.json").read_text())["sources"]
@@ -163,6 +176,9 @@ class CompileCache:
     root: CacheRoot
     model: dict
     name: str = ""
+    # kiln.compile.preload's thread, started by the engine when a warm start is likely;
+    # the warm start joins it
+    preload: object | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_env(cls, model: dict, name: str = "") -> "CompileCache | None":

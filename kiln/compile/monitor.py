@@ -48,8 +48,9 @@ class CompileTimes:
 
 
 # The parts of a warm start, in order (see CompiledModel._warm_start); they sum to its total
-# but for the lock and bookkeeping between them.
-WARM_PHASES = ("key", "open", "program", "split", "pieces", "ahead", "dispatch")
+# but for the lock and bookkeeping between them. "background.*" are kiln.compile.preload's
+# steps, which ran on its thread while the weights loaded: not part of the sum.
+WARM_PHASES = ("preload_wait", "key", "open", "program", "split", "pieces", "ahead", "dispatch", "background")
 
 
 @dataclass
