@@ -22,6 +22,7 @@ run() {
 # Parts, in the order they run; name some to run only those (a device call lasts at most
 # 10 minutes, and all of them together take longer: split them over two calls, e.g.
 # `bash benchmarks/gpu_suite.sh kernels graphs tiles` then `... engine cache bench`).
+# cache-nopyc (not in the default list) repeats the cache part without cached bytecode.
 parts=${*:-kernels graphs tiles engine cache bench}
 for part in $parts; do
     case $part in
@@ -29,9 +30,13 @@ for part in $parts; do
         graphs) run python benchmarks/cudagraphs.py --out "$OUT" --profile --recapture default ;;
         tiles) run python benchmarks/attention_tiles.py --out "$OUT" ;;
         engine) run python benchmarks/engine_throughput.py --device cuda --model llama-3-8b --out "$OUT" ;;
-        cache) run python benchmarks/cache_start.py --device cuda --model llama-3-8b --out "$OUT" ;;
+        # Bytecode cached under a prefix (as on an install pip compiled); cache-nopyc: this
+        # machine's install as it is (no usable .pyc: every import compiles source).
+        cache) run python benchmarks/cache_start.py --device cuda --model llama-3-8b --out "$OUT" \
+                   --pycache-prefix "${KILN_PYCACHE:-/tmp/kiln-pycache}" ;;
+        cache-nopyc) run python benchmarks/cache_start.py --device cuda --model llama-3-8b --out "$OUT" ;;
         bench) run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT" ;;
-        *) echo "unknown part $part; parts: kernels graphs tiles engine cache bench" >&2; exit 2 ;;
+        *) echo "unknown part $part; parts: kernels graphs tiles engine cache cache-nopyc bench" >&2; exit 2 ;;
     esac
 done
 exit $status
