@@ -17,6 +17,7 @@ first use anyway, and a failure only means the warm start does the work itself.
 from __future__ import annotations
 
 import importlib
+import logging
 import threading
 import time
 
@@ -79,8 +80,9 @@ class Preload:
         self.thread.join()
         if not self.waited:
             self.waited = True
-            logger.debug("compile preload: %s%s", ", ".join(f"{k} {v:.3f} s" for k, v in self.parts.items()),
-                         f"; skipped: {'; '.join(self.errors)}" if self.errors else "")
+            logger.log(logging.INFO if self.errors else logging.DEBUG, "compile preload: %s%s",
+                       ", ".join(f"{k} {v:.3f} s" for k, v in self.parts.items()),
+                       f"; failed (the warm start does it): {'; '.join(self.errors)}" if self.errors else "")
         return time.perf_counter() - start
 
     def _step(self, name: str, fn) -> None:
