@@ -1,14 +1,24 @@
 """Cold against warm start through kiln's compile cache (a benchmark, not a test): prints, writes JSON.
 
 CPU:  OMP_NUM_THREADS=1 python benchmarks/cache_start.py --model smollm2 --out benchmarks/results
-GPU:  python benchmarks/cache_start.py --device cuda --model llama-3-8b --out $OUT
+GPU:  python benchmarks/cache_start.py --device cuda --model llama-3-8b --out $OUT --pycache-prefix /tmp/kiln-pycache
 
 Every start is a fresh process that builds the engine as `kiln serve` would (LLMEngine; -O2
 unless -O<n> / -cc.<key>=<value> say otherwise) on one compile-cache root: the first start
 is cold (an empty root), the next --warm-runs are warm. For each start it reports the compile
 phase (the timeline's dynamo + inductor + cache_load: what the cache is for), the start-up
-total (process start to ready, imports included) and the counters. Targets: SmolLM2 warm
+total (process start to ready, imports included), the counters, and the parts of a warm
+start (CompiledModel._warm_start: preload_wait, key, open, program, split, pieces, ahead,
+dispatch; a dotted name is a finer part of the one before it). Targets: SmolLM2 warm
 compile phase <= 2 s on the development CPU, Llama-3-8B <= 1 s on the H200.
+
+Python bytecode: an install made by pip has .pyc files for torch and triton; a machine
+whose install has none (or cannot write them, or sets PYTHONDONTWRITEBYTECODE) compiles
+the source of every module each process imports, some of it inside the warm start (an
+artifact load imports much of Inductor). --pycache-prefix DIR gives every start
+PYTHONPYCACHEPREFIX=DIR (bytecode written and read there, as on a normal install), after
+one untimed priming start (a cold start on a throwaway cache root) that fills it; without
+it the starts run with the environment as it is. The JSON says which: "bytecode".
 """
 
 from __future__ import annotations
@@ -31,9 +41,21 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPILE_PHASES = ("dynamo", "inductor", "cache_load")
 
 
+def bytecode_state() -> dict:
+    """Whether this process finds cached bytecode for torch (checked before torch is imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")  # a top-level package: found, not imported
+    probe = Path(spec.origin).parent / "_inductor" / "codecache.py" if spec and spec.origin else None
+    cached = probe is not None and Path(importlib.util.cache_from_source(str(probe))).exists()
+    return {"pycache_prefix": sys.pycache_prefix, "dont_write_bytecode": sys.dont_write_bytecode,
+            "torch_bytecode_cached": cached}
+
+
 def child(args: argparse.Namespace, config_argv: list[str]) -> None:
     """One start-up: engine built, then a line of JSON on stdout."""
     sys.path.insert(0, str(ROOT))  # run from a checkout, installed or not
+    bytecode = bytecode_state()
     import torch
 
     from kiln.config import EngineConfig, parse_compilation_args
@@ -49,7 +71,7 @@ def child(args: argparse.Namespace, config_argv: list[str]) -> None:
     print(json.dumps({
         "phases_s": phases, "compile_phase_s": sum(phases.get(p, 0.0) for p in COMPILE_PHASES),
         "engine_ready_s": engine.timeline.ready_seconds, "process_ready_s": ready,
-        "stats": compiled.stats, "entry": compiled.entry.key if compiled.entry else None,
+        "bytecode": bytecode, "warm_phases_s": compiled.stats["warm_phases_s"], "stats": compiled.stats, "entry": compiled.entry.key if compiled.entry else None,
         "describe": compiled.describe(), "torch": torch.__version__,
         "device_name": (torch.cuda.get_device_name() if config.torch_device.type == "cuda"
                         else f"cpu ({platform.processor() or platform.machine()})"),
@@ -60,6 +82,9 @@ def start(args: argparse.Namespace, config_argv: list[str], root: str, profile: 
     """One start-up in a fresh process; under cProfile (stats written to `profile`) if given."""
     env = dict(os.environ, KILN_CACHE_ROOT=root)
     env.pop("KILN_DISABLE_COMPILE_CACHE", None)
+    if args.pycache_prefix:
+        env["PYTHONPYCACHEPREFIX"] = str(args.pycache_prefix)
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
     if args.device == "cpu":
         env.setdefault("OMP_NUM_THREADS", "1")
     profiler = ["-m", "cProfile", "-o", str(profile)] if profile else []
@@ -74,7 +99,11 @@ def start(args: argparse.Namespace, config_argv: list[str], root: str, profile: 
 
 
 def summary(runs: list[dict]) -> dict:
-    return {k: statistics.median(r[k] for r in runs) for k in ("compile_phase_s", "engine_ready_s", "process_ready_s")}
+    medians = {k: statistics.median(r[k] for r in runs) for k in ("compile_phase_s", "engine_ready_s", "process_ready_s")}
+    parts = dict.fromkeys(p for r in runs for p in r.get("warm_phases_s", {}))
+    medians["warm_phases_s"] = {p: round(statistics.median(r.get("warm_phases_s", {}).get(p, 0.0) for r in runs), 4)
+                                for p in parts}
+    return medians
 
 
 def main(argv: list[str]) -> None:
@@ -94,12 +123,24 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--profile", type=Path, default=None,
                         help="after the timed starts, one more cold and one warm start under cProfile: "
                              "<dir>/cache_start_{cold,warm}.prof (view with python -m pstats)")
+    parser.add_argument("--pycache-prefix", type=Path, default=None,
+                        help="PYTHONPYCACHEPREFIX for every start, filled by one untimed priming start "
+                             "(default: the environment as it is; see above)")
+    parser.add_argument("--no-prime", action="store_true",
+                        help="with --pycache-prefix: skip the priming start (the prefix is already filled)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(rest)
     if args.child:
         return child(args, config_argv)
 
     root = args.root or tempfile.mkdtemp(prefix="kiln-cache-bench-")
+    primed = False
+    if args.pycache_prefix and not args.no_prime:
+        args.pycache_prefix.mkdir(parents=True, exist_ok=True)
+        prime = start(args, config_argv, tempfile.mkdtemp(prefix="kiln-cache-prime-"))
+        primed = True
+        print(f"priming start (untimed, fills {args.pycache_prefix}): process ready {prime['process_ready_s']:.2f} s",
+              flush=True)
     cold = start(args, config_argv, root)
     print(f"cold: compile phase {cold['compile_phase_s']:.2f} s {_phases(cold)}, ready {cold['engine_ready_s']:.2f} s "
           f"(process {cold['process_ready_s']:.2f} s); {cold['stats']['inductor_compiles']} Inductor compiles", flush=True)
@@ -111,14 +152,18 @@ def main(argv: list[str]) -> None:
               f"{w['engine_ready_s']:.2f} s (process {w['process_ready_s']:.2f} s); "
               f"{w['stats']['inductor_compiles']} Inductor compiles, {w['stats']['graphs_seen']} Dynamo graphs, "
               f"{w['stats']['pieces_loaded']} artifacts loaded", flush=True)
+        print(f"    warm start parts: {_parts(w)}", flush=True)
     target = 1.0 if args.device == "cuda" else 2.0
     report = {"model": args.model, "device": cold["device_name"], "torch": cold["torch"], "dtype": cold["dtype"],
               "threads": os.environ.get("OMP_NUM_THREADS"), "max_num_batched_tokens": args.max_num_batched_tokens,
               "config_argv": config_argv, "describe": cold["describe"], "entry": cold["entry"],
               "cold": cold, "warm": warm, "warm_median": summary(warm) if warm else None,
-              "target_warm_compile_phase_s": target}
+              "target_warm_compile_phase_s": target,
+              "bytecode": {**cold["bytecode"], "primed": primed,
+                           "cached_in_every_warm_start": all(w["bytecode"]["torch_bytecode_cached"] for w in warm)}}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"cache_start_{args.model}_{args.device}.json"
+    # Kept apart from a run on the environment as is, so that both can be reported.
+    path = args.out / f"cache_start_{args.model}_{args.device}{'_pycache' if args.pycache_prefix else ''}.json"
     path.write_text(json.dumps(report, indent=2))
     if warm:
         m = report["warm_median"]
@@ -126,6 +171,10 @@ def main(argv: list[str]) -> None:
         print(f"{args.model} on {cold['device_name']}: compile phase cold {cold['compile_phase_s']:.2f} s -> warm "
               f"{m['compile_phase_s']:.2f} s (median; {verdict} the {target:.0f} s target); start-up to ready cold "
               f"{cold['engine_ready_s']:.2f} s -> warm {m['engine_ready_s']:.2f} s")
+        print(f"warm start parts (median s): {_parts(m)}")
+    b = report["bytecode"]
+    print(f"bytecode: {'PYTHONPYCACHEPREFIX=' + b['pycache_prefix'] if b['pycache_prefix'] else 'environment as is'}; "
+          f"torch bytecode cached in every warm start: {b['cached_in_every_warm_start']}")
     print(f"wrote {path}")
     if args.profile:
         # Separate starts, so that cProfile's overhead stays out of the timed numbers above.
@@ -135,6 +184,11 @@ def main(argv: list[str]) -> None:
             run = start(args, config_argv, profile_root, args.profile / f"cache_start_{kind}.prof")
             print(f"profiled {kind} start: compile phase {run['compile_phase_s']:.2f} s {_phases(run)} "
                   f"-> {args.profile}/cache_start_{kind}.prof")
+
+
+def _parts(run: dict) -> str:
+    """The warm start's parts (CompiledModel._warm_start); a dotted name is a finer part of the one before."""
+    return ", ".join(f"{k} {v:.3f}" for k, v in run.get("warm_phases_s", {}).items())
 
 
 def _phases(run: dict) -> str:

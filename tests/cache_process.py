@@ -1,7 +1,8 @@
 """A process that starts tiny-llama's compiled forward as the engine does, on a given cache root.
 
-    python tests/cache_process.py ROOT [SIZES]     prints one JSON line: the compile stats,
-                                                   the entry key, and compiled-vs-eager error
+    python tests/cache_process.py ROOT [SIZES] [--preload]
+        prints one JSON line: the compile stats, the entry key, and compiled-vs-eager error;
+        --preload: start kiln.compile.preload before the model is built, as the engine does
 
 Shared by tests/test_cache.py, in-process (start) and as the "second process".
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kiln.compile.cache import CacheRoot
+from kiln.compile.preload import preload_if_warm
 from kiln.config import EngineConfig
 from kiln.engine.runner import compile_cache, compile_forward
 from kiln.engine.timeline import StartupTimeline
@@ -34,11 +36,18 @@ def tiny(root: Path):
     return build_model(source.config, torch.float32, torch.device("cpu"), frozenset(), None), cache
 
 
-def start(root: Path, sizes: list[int] = ()):
+def start(root: Path, sizes: list[int] = (), preload: bool = False):
     """tiny-llama compiled (or loaded) with the engine's own start-up path."""
-    model, cache = tiny(root)
     config = EngineConfig(model="tiny-llama", device="cpu", max_num_batched_tokens=MAX_TOKENS,
                           compilation={"mode": 3, "compile_sizes": list(sizes), "strategy": "eager"})
+    if preload:  # as ModelRunner: before the model is built
+        source = load_source("tiny-llama")
+        cache = compile_cache(source, torch.float32, frozenset())
+        cache.root = CacheRoot(Path(root))
+        preload_if_warm(config.compilation_config, cache, torch.device("cpu"))
+        model = build_model(source.config, torch.float32, torch.device("cpu"), frozenset(), None)
+    else:
+        model, cache = tiny(root)
     timeline = StartupTimeline()
     compiled = compile_forward(model, config, cache, timeline)
     return model, compiled, timeline
@@ -58,6 +67,8 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     root = Path(sys.argv[1])
     sizes = [int(n) for n in sys.argv[2].split(",")] if len(sys.argv) > 2 and sys.argv[2] else []
-    model, compiled, timeline = start(root, sizes)
+    model, compiled, timeline = start(root, sizes, preload="--preload" in sys.argv[3:])
+    preload = compiled.cache.preload if compiled.cache is not None else None
     print(json.dumps({"stats": compiled.stats, "key": compiled.entry.key, "phases": timeline.as_dict()["phases_s"],
-                      "max_error": max_error(model, compiled)}))
+                      "max_error": max_error(model, compiled),
+                      "preload": None if preload is None else {"parts": preload.parts, "errors": preload.errors}}))

@@ -22,6 +22,7 @@ from cache_process import MAX_TOKENS, max_error, start, tiny
 from kiln.compile import compile_model
 from kiln.compile.cache import CacheRoot, CompileCache, cache_disabled
 from kiln.compile.cache_key import env_factor
+from kiln.compile.preload import Preload, preload_if_warm
 from kiln.config import CompilationConfig
 from kiln.tools import cache_cli
 
@@ -83,6 +84,43 @@ def test_second_process_starts_warm_without_dynamo_or_inductor(filled):
     assert out["max_error"] <= 1e-4
     assert sorted(p.name for p in (root / key / "inductor").rglob("*.so")) == built  # no C++ build either
     assert "Loaded the compiled forward from compile cache entry" in run.stderr
+
+
+def test_a_warm_start_with_the_preload_loads_every_piece_and_compiles_nothing(filled):
+    root, key, _, _ = filled
+    run = _run(str(HERE / "cache_process.py"), str(root), "", "--preload")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    stats, preload = out["stats"], out["preload"]
+    assert out["key"] == key and set(out["phases"]) == {"cache_load"}
+    assert stats["inductor_compiles"] == 0 and stats["graphs_seen"] == 0 and stats["pieces_loaded"] == 3
+    assert preload is not None and not preload["errors"] and preload["parts"]["torch_key"] > 0
+    assert "preload_wait" in stats["warm_phases_s"] and "background.imports" in stats["warm_phases_s"]
+    assert out["max_error"] <= 1e-4
+
+
+def test_the_preload_starts_only_where_a_warm_start_is_likely(filled, tmp_path, monkeypatch):
+    root, _, _, _ = filled
+    started = []
+    monkeypatch.setattr(Preload, "start", lambda self: started.append(self) or self)
+    cpu = torch.device("cpu")
+    _, cache = tiny(root)
+    assert preload_if_warm(CompilationConfig(mode=0), cache, cpu) is None  # eager: nothing compiles
+    assert preload_if_warm(CompilationConfig(mode=2), cache, cpu) is None
+    assert preload_if_warm(CompilationConfig(mode=3, piece_compiler="eager"), cache, cpu) is None
+    assert preload_if_warm(CompilationConfig(mode=3, debug_guards=True), cache, cpu) is None
+    assert preload_if_warm(CompilationConfig(mode=3), None, cpu) is None  # cache off
+    assert preload_if_warm(CompilationConfig(mode=3), tiny(tmp_path / "empty")[1], cpu) is None  # nothing to load
+    assert preload_if_warm(CompilationConfig(mode=3), cache, torch.device("meta")) is None  # no entry for it
+    assert not started and cache.preload is None
+    assert preload_if_warm(CompilationConfig(mode=3), cache, cpu) is cache.preload is started[0]
+    # The engine's default (eager) start-up never starts it either.
+    started.clear()
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(root))
+    from kiln import LLM
+
+    engine = LLM("tiny-llama", device="cpu", dtype="float32", max_num_batched_tokens=MAX_TOKENS).engine
+    assert engine.runner.compiled.mode == 0 and not started
 
 
 def test_a_corrupted_artifact_byte_is_logged_and_rebuilt(copy_of, caplog):

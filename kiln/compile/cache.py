@@ -29,6 +29,7 @@ import os
 import pickle
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,6 +144,19 @@ class CacheRoot:
             raise ValueError(f"{'no' if not found else len(found)} cache entries match {prefix!r} in {self.path}")
         return found[0]
 
+    def has_entry_for(self, model: str, device_type: str) -> bool:
+        """Whether an entry of `model` (its manifest's name) on `device_type` is here: a cheap
+        guess that a start will be warm, made before the key can be computed."""
+        for manifest in self.path.glob("*/" + MANIFEST) if self.path.is_dir() else ():
+            try:
+                info = json.loads(manifest.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(info, dict) and info.get("model") == model and info.get("graph") and \
+                    str(info.get("device", "")).split(":")[0] == device_type:
+                return True
+        return False
+
     def read_index(self, prekey: str) -> list[str] | None:
         try:
             return json.loads((self.path / "index" / f"{prekey}.json").read_text())["sources"]
@@ -162,6 +176,9 @@ class CompileCache:
     root: CacheRoot
     model: dict
     name: str = ""
+    # kiln.compile.preload's thread, started by the engine when a warm start is likely;
+    # the warm start joins it
+    preload: object | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_env(cls, model: dict, name: str = "") -> "CompileCache | None":
@@ -183,6 +200,7 @@ class ModelCache:
 
     def warm_entry(self) -> "CacheEntry | None":
         """The entry for the code as it is now, opened (checked, repaired), if one was filled before."""
+        start = time.perf_counter()
         sources = self.root.read_index(self.prekey)
         code = code_factor(sources) if sources else None
         if code is None:
@@ -191,6 +209,7 @@ class ModelCache:
         entry = self.root.entry(key_of(factors))
         if not entry.exists():
             return None
+        entry.timings["open.code_factor"] = time.perf_counter() - start
         entry.open(factors, self.info)
         self.entry = entry
         return entry
@@ -213,6 +232,16 @@ class CacheEntry:
         self.path, self.key = path, key
         self.manifest: dict = {}
         self.warm = False  # loaded at start-up: from then on a compile is a miss worth a warning
+        # part of a warm start -> seconds, measured here ("open.verify", "pieces.load", ...)
+        self.timings: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
 
     @property
     def model_name(self) -> str:
@@ -239,11 +268,14 @@ class CacheEntry:
                 manifest = self._create(info)
             manifest["plan"] = _merge_plan(manifest.get("plan"), info.get("plan"))
             self.manifest = manifest
-            self._repair(self.bad_files())
+            with self._timed("open.verify"):
+                bad = self.bad_files()
+            self._repair(bad)
             for name in FACTORS:  # new, or failed its checksum: this process knows them
                 if f"{name}.json" not in manifest["files"]:
                     self._write_file(f"{name}.json", json.dumps(factors[name], indent=1, sort_keys=True).encode())
-            self._write_manifest()
+            with self._timed("open.write_manifest"):
+                self._write_manifest()
 
     def read_manifest(self, repair: bool = False) -> dict | None:
         path = self.path / MANIFEST
@@ -330,13 +362,16 @@ class CacheEntry:
         with self.lock():
             if not self.manifest.get("graph"):
                 return None
-            data = (self.path / GRAPH).read_bytes()
-            if hashlib.sha256(data).hexdigest() != self.manifest["files"].get(GRAPH):
+            with self._timed("program.read_verify"):
+                data = (self.path / GRAPH).read_bytes()
+                good = hashlib.sha256(data).hexdigest() == self.manifest["files"].get(GRAPH)
+            if not good:
                 self._repair([GRAPH])
                 self._write_manifest()
                 return None
             try:
-                return pickle.loads(data)
+                with self._timed("program.unpickle"):
+                    return pickle.loads(data)
             except Exception as e:  # e.g. an op or module it names is gone from this install
                 logger.warning("compile cache: %s could not be loaded (%s: %s); capturing again",
                                self.path / GRAPH, type(e).__name__, e)
@@ -356,12 +391,14 @@ class CacheEntry:
         rel = self.artifact(index, shape)
         if rel not in self.manifest["files"]:
             return None
-        if sha256_file(self.path / rel) != self.manifest["files"][rel]:
+        with self._timed("pieces.verify"):
+            good = sha256_file(self.path / rel) == self.manifest["files"][rel]
+        if not good:
             self._repair([rel])
             self._write_manifest()
             return None
         try:
-            with self.loader_dirs():
+            with self.loader_dirs(), self._timed("pieces.inductor_load"):
                 return torch._inductor.CompiledArtifact.load(path=str(self.path / rel), format="binary")
         except Exception as e:  # a valid checksum over bytes this torch cannot read
             logger.warning("compile cache: %s could not be loaded (%s: %s); rebuilding it",
@@ -424,7 +461,8 @@ class CacheEntry:
                 torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
             if self.path not in _PROBED and str(self.manifest.get("device", "cpu")).startswith("cpu"):
                 _PROBED.add(self.path)
-                probe_isa_here()
+                with self._timed("pieces.isa_probe"):
+                    probe_isa_here()
             yield
 
     @contextlib.contextmanager

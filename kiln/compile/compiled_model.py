@@ -44,6 +44,7 @@ class CompiledModel:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.model, self.config, self.max_num_batched_tokens = model, config, max_num_batched_tokens
         self.monitor = CompileMonitor()
+        self.preload_wait_s = self._join_preload(cache)
         self.split_ops: list[SplitOp] = effective_split_ops(config.splitting_ops)
         check_split_ops(self.split_ops)
         self.dims = dynamic_arg_dims(model)
@@ -58,6 +59,19 @@ class CompiledModel:
         self.piece_graphs = PiecewiseGraphs()  # CUDA graphs of the pieces, once captured
         self.capture: Capture | None = None if self.mode == 0 else self._capture(self.dims)
         logger.info("model forward: %s", self.describe())
+
+    def _join_preload(self, cache: CompileCache | None) -> float:
+        """Wait for the engine's preload thread (kiln.compile.preload), if it started one: here,
+        before this constructor imports Dynamo and Inductor, as two threads importing the same
+        circular modules can deadlock. The seconds waited join the warm start's time."""
+        preload = cache.preload if cache is not None else None
+        if preload is None:
+            return 0.0
+        waited = preload.wait()
+        self.monitor.warm_phase_add("preload_wait", waited)
+        for name, seconds in preload.parts.items():  # ran on the thread, off the critical path
+            self.monitor.warm_phase_add(f"background.{name}", seconds)
+        return waited
 
     def _capture(self, dims: dict[str, int]) -> Capture:
         config, max_tokens = self.config, self.max_num_batched_tokens
@@ -94,29 +108,41 @@ class CompiledModel:
         Runs once; False sends the first call through Dynamo (which still loads pieces)."""
         if self.cache is None or self.model_cache is not None:
             return self.dispatch is not None
-        start = time.perf_counter()
-        self.model_cache = self._model_cache()
+        # The preload's wait (in __init__) counts as part of the warm start.
+        start = time.perf_counter() - self.preload_wait_s
+        phase = self.monitor.warm_phase
+        with phase("key"):
+            self.model_cache = self._model_cache()
         self.backend.cache = self.model_cache
-        entry = self.model_cache.warm_entry()
+        with phase("open"):
+            entry = self.model_cache.warm_entry()
         if entry is None:
             logger.info("compile cache: no entry for %s yet under %s; capturing and compiling",
                         type(self.model).__name__, self.cache.root.path)
             return False
         with entry.lock():
-            program = entry.load_program()
+            with phase("program"):
+                program = entry.load_program()
             if program is None or program.call is None:
                 logger.info("compile cache: entry %s has no replayable graph; capturing with Dynamo", entry.key)
                 return False
             entry.warm = True
-            self._trace_config()
-            trace.split_graph(program)
-            self.backend.start(program, entry)
+            with phase("split"):
+                self._trace_config()
+                trace.split_graph(program)
+                self.backend.start(program, entry)
             pieces, plan = self.backend.pieces, self.backend.plan
-            for shape in plan.all_shapes():
-                if entry.has_shape(shape):
-                    pieces.compile(shape)  # loads it
-            compile_ahead(pieces, plan, self.config.strategy, first=None)
-        self.dispatch = GraphCall(runnable(program, pieces, self.piece_graphs), program.call, self.model, self.capture.signature)
+            with phase("pieces"):
+                for shape in plan.all_shapes():
+                    if entry.has_shape(shape):
+                        pieces.compile(shape)  # loads it
+            with phase("ahead"):
+                compile_ahead(pieces, plan, self.config.strategy, first=None)
+        with phase("dispatch"):
+            self.dispatch = GraphCall(runnable(program, pieces, self.piece_graphs), program.call, self.model,
+                                      self.capture.signature)
+        for name, seconds in entry.timings.items():  # the finer parts the entry measured
+            self.monitor.warm_phase_add(name, seconds)
         self.monitor.warm_start_done(entry.key, time.perf_counter() - start)
         return True
 
@@ -158,7 +184,11 @@ class CompiledModel:
     def _model_cache(self) -> ModelCache:
         first = next(iter(self.model.parameters()), None)
         device = first.device if first is not None else torch.device("cpu")
-        factors = {"env": env_factor(), "config": self._config_factor(device), "compiler": compiler_factor(device)}
+        with self.monitor.warm_phase("key.config_factor"):
+            config = self._config_factor(device)
+        with self.monitor.warm_phase("key.compiler_factor"):
+            compiler = compiler_factor(device)
+        factors = {"env": env_factor(), "config": config, "compiler": compiler}
         plan = self.backend.plan
         info = {"model": self.cache.name or type(self.model).__name__, "device": str(device),
                 "dtype": str(first.dtype).removeprefix("torch.") if first is not None else None,

@@ -47,13 +47,40 @@ class CompileTimes:
     total_s: float = 0.0  # the first call (capture, or a warm start from the cache), end to end
 
 
+# The parts of a warm start, in order (see CompiledModel._warm_start); they sum to its total
+# but for the lock and bookkeeping between them. "background.*" are kiln.compile.preload's
+# steps, which ran on its thread while the weights loaded: not part of the sum.
+WARM_PHASES = ("preload_wait", "key", "open", "program", "split", "pieces", "ahead", "dispatch", "background")
+
+
 @dataclass
 class CompileMonitor:
     counters: CompileCounters = field(default_factory=CompileCounters)
     times: CompileTimes = field(default_factory=CompileTimes)
+    # warm start part -> seconds (WARM_PHASES, then finer ones such as "pieces.verify")
+    warm_phases: dict[str, float] = field(default_factory=dict)
 
     def stats(self) -> dict:
-        return {**asdict(self.counters), **{k: round(v, 3) for k, v in asdict(self.times).items()}}
+        return {**asdict(self.counters), **{k: round(v, 3) for k, v in asdict(self.times).items()},
+                "warm_phases_s": {k: round(self.warm_phases[k], 4) for k in self._warm_order()}}
+
+    def _warm_order(self) -> list[str]:
+        """WARM_PHASES in order, each followed by its finer parts ("pieces.verify"), then the rest."""
+        names = list(self.warm_phases)
+        order = [n for top in WARM_PHASES for n in names if n == top or n.startswith(top + ".")]
+        return order + [n for n in names if n not in order]
+
+    @contextlib.contextmanager
+    def warm_phase(self, name: str):
+        """Time one part of a warm start (added up if it runs more than once)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.warm_phase_add(name, time.perf_counter() - start)
+
+    def warm_phase_add(self, name: str, seconds: float) -> None:
+        self.warm_phases[name] = self.warm_phases.get(name, 0.0) + seconds
 
     def capture_done(self, total_s: float) -> None:
         self.times.total_s = total_s
@@ -111,6 +138,7 @@ class CompileMonitor:
         logger.info("Loaded the compiled forward from compile cache entry %s in %.2f s (%d artifacts; "
                     "no Dynamo, %d Inductor compiles)", key, seconds, self.counters.pieces_loaded,
                     self.counters.inductor_compiles)
+        logger.info("warm start parts: %s", ", ".join(f"{k} {self.warm_phases[k]:.3f} s" for k in self._warm_order()))
 
     def shape_compiled(self, label: str, seconds: float) -> None:
         logger.info("Compiling a graph for %s took %.2f s", label, seconds)

@@ -11,6 +11,7 @@ import torch
 from kiln.compile import CompiledModel, compile_model
 from kiln.compile.cache import CompileCache
 from kiln.compile.graph_plan import GraphChoice, GraphDispatcher
+from kiln.compile.preload import preload_if_warm
 from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
 from kiln.engine.forward_graphs import ForwardGraphs
 from kiln.engine.sampler import sample
@@ -75,11 +76,13 @@ class ModelRunner:
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.block_size = config.block_size
         self.custom_ops = config.resolved_custom_ops()
+        cache = compile_cache(source, self.dtype, self.custom_ops)
+        # A warm start's once-per-process work (imports, torch's and Triton's keys) runs while the weights load.
+        preload_if_warm(config.compilation_config, cache, self.device)
         with timeline.phase("weights"):
             self.model = build_model(source.config, self.dtype, self.device, self.custom_ops,
                                      source.weights() if source.weights else None)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        cache = compile_cache(source, self.dtype, self.custom_ops)
         self.compiled = compile_forward(self.model, config, cache, timeline)
         if "skinny_linear" in self.custom_ops and self.device.type == "cuda":
             with timeline.phase("gemv_tuning"):

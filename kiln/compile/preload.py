@@ -1,0 +1,139 @@
+"""Once-per-process work that a warm start waits on, started early on a background thread.
+
+Loading a piece artifact from the compile cache first imports much of Inductor (its codegen,
+kernel templates, the AOTAutograd cache: hundreds of modules, each compiled from source where
+an install has no .pyc files) and computes keys that torch caches for the life of the process:
+Inductor's torch_key() (a hash of torch's source files, which every artifact load checks) and,
+on CUDA, Triton's key and backend hash (a hash of Triton's sources, and the compiler version).
+
+None of it depends on the model, so the engine starts it before the weights load, and the warm
+start joins it before it touches the cache (the wait is part of the timed warm start, so the
+compile phase never looks shorter than what the start-up waited for). Only where a warm start
+is likely: mode 3 with the compile cache on, and an entry of this model on this device type in
+the cache. Nothing here changes a result: every call is a cached function torch would call on
+first use anyway, and a failure only means the warm start does the work itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kiln.compile.monitor import logger
+
+if TYPE_CHECKING:  # kiln.config imports kiln.ops, whose attention imports kiln.compile
+    from kiln.compile.cache import CompileCache
+    from kiln.config import CompilationConfig
+
+# What an artifact load imports (torch 2.11-2.13), roots only: each pulls in the rest. A
+# module missing from this torch is skipped.
+COMMON_MODULES = (
+    "torch._inductor.codecache",
+    "torch._inductor.standalone_compile",
+    "torch._functorch._aot_autograd.autograd_cache",
+    "torch._inductor.compile_fx",
+    "torch._inductor.output_code",
+    "torch._inductor.async_compile",
+    "torch._inductor.select_algorithm",  # kernel templates, jinja
+    "torch._inductor.runtime.autotune_cache",
+    "torch._inductor.hooks",
+    "torch._inductor.codegen.memory_planning",
+    "torch._functorch._aot_autograd.subclass_codegen",
+    "torch.fx.experimental.validator",
+)
+DEVICE_MODULES = {
+    "cpu": ("torch._inductor.codegen.cpp", "torch._inductor.cpu_vec_isa", "torch._inductor.cpp_builder",
+            "torch.utils.cpp_extension"),
+    "cuda": ("torch._inductor.codegen.triton", "torch._inductor.runtime.triton_heuristics",
+             "torch._inductor.runtime.static_triton_launcher"),
+}
+
+
+class Preload:
+    """The background thread and what it did: `parts` maps each step to its seconds."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.parts: dict[str, float] = {}
+        self.errors: list[str] = []
+        self.cuda_index = None
+        if device.type == "cuda":
+            # The thread's current device is its own: tell it this one's (a worker of a
+            # tensor-parallel engine is on its rank's GPU, never on GPU 0 by default).
+            self.cuda_index = device.index if device.index is not None else torch.cuda.current_device()
+        self.thread = threading.Thread(target=self._run, name="kiln-compile-preload", daemon=True)
+        self.waited = False
+
+    def start(self) -> "Preload":
+        self.thread.start()
+        return self
+
+    def wait(self) -> float:
+        """Join the thread; the seconds this call waited."""
+        start = time.perf_counter()
+        self.thread.join()
+        if not self.waited:
+            self.waited = True
+            logger.log(logging.INFO if self.errors else logging.DEBUG, "compile preload: %s%s",
+                       ", ".join(f"{k} {v:.3f} s" for k, v in self.parts.items()),
+                       f"; failed (the warm start does it): {'; '.join(self.errors)}" if self.errors else "")
+        return time.perf_counter() - start
+
+    def _step(self, name: str, fn) -> None:
+        start = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # another torch or triton: the warm start does it, or does without
+            self.errors.append(f"{name}: {type(e).__name__}: {e}")
+        self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - start
+
+    def _run(self) -> None:
+        for module in COMMON_MODULES + DEVICE_MODULES.get(self.device.type, ()):
+            self._step("imports", lambda m=module: importlib.import_module(m))
+        self._step("torch_key", _torch_key)
+        if self.device.type == "cuda":
+            self._step("triton_key", lambda: _triton_keys(self.cuda_index))
+
+
+def _torch_key() -> None:
+    from torch._inductor.codecache import torch_key
+
+    torch_key()
+
+
+def _triton_keys(index: int) -> None:
+    from torch.utils._triton import has_triton
+
+    if not has_triton():
+        return
+    from torch._inductor.codecache import triton_key
+    from torch.utils._triton import triton_hash_with_backend
+
+    torch.cuda.set_device(index)  # this thread's current device only
+    triton_key()
+    triton_hash_with_backend()
+
+
+def start_preload(device: torch.device) -> Preload | None:
+    """Start the preload for a model on `device`; None if it could not start."""
+    try:
+        return Preload(device).start()
+    except Exception as e:
+        logger.debug("compile preload not started: %s: %s", type(e).__name__, e)
+        return None
+
+
+def preload_if_warm(config: CompilationConfig, cache: CompileCache | None, device: torch.device) -> Preload | None:
+    """Start the preload if this start will likely be warm (see the module's doc), and hand
+    it to `cache`, where the warm start finds it. Never on the eager path."""
+    if (cache is None or config.mode != 3 or config.debug_guards or config.piece_compiler != "inductor"
+            or not cache.root.has_entry_for(cache.name, device.type)):
+        return None
+    cache.preload = start_preload(device)
+    return cache.preload
