@@ -157,7 +157,12 @@ class CompiledModel:
         if count < 2 or self.cache is None or self.config.piece_compiler != "inductor" or backend.passes:
             yield
             return
-        backend.workers = CompileWorkers(count)
+        try:
+            backend.workers = CompileWorkers(count)
+        except Exception as e:  # e.g. inside a daemonic process, which may not have children
+            logger.warning("compile workers did not start (%s: %s); compiling in-process", type(e).__name__, e)
+            yield
+            return
         try:
             yield
         finally:
