@@ -214,7 +214,9 @@ class CompiledModel:
                 "passes": self.backend.passes.uuid() if self.backend.passes else None,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
-                "dynamic_arg_dims": self.dims, "device_type": device.type,
+                # The index too: generated code pins its device, so tensor-parallel ranks
+                # (cuda:0, cuda:1) must not share artifacts.
+                "dynamic_arg_dims": self.dims, "device_type": device.type, "device": str(device),
                 "grad_enabled": torch.is_grad_enabled(),  # an inference artifact differs from a training one
                 "tensors": {"count": len(tensors), "digest": digest(
                     [(n, list(t.shape), str(t.dtype), t.device.type) for n, t in tensors])},

@@ -136,6 +136,8 @@ def _worker_main(target: Callable, rank: int, size: int, backend: str, init_meth
     except EOFError:
         pass  # rank 0 went away: nothing left to serve
     except BaseException:
+        # Printed first: tearing down the group below can block while rank 0 waits in a collective.
+        traceback.print_exc()
         try:
             conn.send(WorkerFailure(rank, traceback.format_exc()))
         except (BrokenPipeError, OSError):
