@@ -310,10 +310,11 @@ def test_cache_ls_and_clear(copy_of):
     assert cache_root.entries() == [] and not (root / key).exists()
 
 
-def test_tensor_parallel_ranks_do_not_share_an_entry(tiny_llama):
+def test_tensor_parallel_ranks_do_not_share_an_entry(tiny_llama, tmp_path):
     """Generated code pins its CUDA device: rank 1 (cuda:1) loading rank 0's artifacts ran
     them on cuda:0 and failed, so the device index is part of the key."""
-    compiled = compile_model(tiny_llama, CompilationConfig(mode=3, piece_compiler="eager"), 16)
+    cache = CompileCache(CacheRoot(tmp_path), {"test": "ranks"}, "tiny")
+    compiled = compile_model(tiny_llama, CompilationConfig(mode=3, piece_compiler="eager"), 16, cache=cache)
     rank0, rank1 = (compiled._config_factor(torch.device("cuda", i)) for i in (0, 1))
     assert rank0 != rank1 and rank0["device_type"] == rank1["device_type"] == "cuda"
     assert compiled._config_factor(torch.device("cpu")) == compiled._config_factor(torch.device("cpu"))
