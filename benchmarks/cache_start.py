@@ -6,7 +6,7 @@ GPU:  python benchmarks/cache_start.py --device cuda --model llama-3-8b --out $O
 Every start is a fresh process that builds the engine as `kiln serve` would (LLMEngine; -O2
 unless -O<n> / -cc.<key>=<value> say otherwise) on one compile-cache root: the first start
 is cold (an empty root), the next --warm-runs are warm. For each start it reports the compile
-phase (the timeline's dynamo + inductor + cache_load: what the cache is for), the start-up
+phase (the timeline's dynamo + split + inductor + cache_load: what the cache is for), the start-up
 total (process start to ready, imports included), the counters, and the parts of a warm
 start (CompiledModel._warm_start: preload_wait, key, open, program, split, pieces, ahead,
 dispatch; a dotted name is a finer part of the one before it). Targets: SmolLM2 warm
@@ -38,7 +38,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPILE_PHASES = ("dynamo", "inductor", "cache_load")
+COMPILE_PHASES = ("dynamo", "split", "inductor", "cache_load")
 
 
 def bytecode_state() -> dict:

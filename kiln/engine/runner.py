@@ -62,9 +62,10 @@ def compile_forward(model: torch.nn.Module, config: EngineConfig, cache: Compile
                                     torch.zeros(n, dtype=torch.long, device=dev)),
                          context=lambda n: set_forward_context(warm_up_metadata(n, dev), {}))
     stats = compiled.stats
-    # Only what ran: a warm start records cache_load, a cold one dynamo and inductor.
+    # Only what ran: a warm start records cache_load, a cold one dynamo, split (the backend's
+    # own work: splitting, piece inputs, dedup, the cache key) and inductor.
     for phase, seconds in (("cache_load", stats["load_s"]), ("dynamo", stats["dynamo_s"]),
-                           ("inductor", stats["compile_s"])):
+                           ("split", stats["split_s"]), ("inductor", stats["compile_s"])):
         if seconds > 0:
             timeline.add(phase, seconds)
     return compiled

@@ -17,7 +17,7 @@ from kiln.engine.llm_engine import RequestOutput
 
 # Timeline phases that count as compilation and as graph capture. Phases with other names
 # still appear, under kiln_startup_phase_seconds.
-COMPILE_PHASES = ("dynamo", "inductor", "cache_load")
+COMPILE_PHASES = ("dynamo", "split", "inductor", "cache_load")
 CAPTURE_PHASES = ("graph_capture",)
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
