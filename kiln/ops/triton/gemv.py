@@ -234,10 +234,13 @@ def _bench(fn, quantiles):
 
 _KEY = ["N", "K", "BLOCK_M"]
 _even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+# cache_results: the timings go to Triton's cache dir, so only a machine's first start pays
+# for them (on the H200 that first start spent 11.7 s compiling and timing every config for
+# the Llama-3-8B shapes, mostly compiling, which Triton's kernel cache also keeps).
 fma_kernel = triton.autotune(FMA_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune(True)},
-                             do_bench=_bench)(_even_k(_gemv_fma_kernel))
+                             do_bench=_bench, cache_results=True)(_even_k(_gemv_fma_kernel))
 dot_kernel = triton.autotune(DOT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune(False)},
-                             do_bench=_bench)(_even_k(_gemv_dot_kernel))
+                             do_bench=_bench, cache_results=True)(_even_k(_gemv_dot_kernel))
 
 _counters: dict[torch.device, torch.Tensor] = {}
 
