@@ -147,3 +147,25 @@ def test_a_worker_failure_reaches_rank0_with_its_traceback():
     finally:
         workers.shutdown()
         destroy_tensor_parallel()
+
+
+def test_a_failed_worker_leaves_at_once_and_rank0_notices(caplog):
+    """A worker that fails exits without tearing its group down (an NCCL teardown would wait
+    for rank 0, which may be waiting for it); rank 0's watch sees it go."""
+    import logging
+    import time
+
+    workers = Workers(2, "cpu", _failing_worker, ())
+    try:
+        join_as_rank0(workers)
+        with caplog.at_level(logging.ERROR, logger="kiln"), workers.watching():
+            proc = workers._procs[0]
+            proc.join(timeout=60)
+            assert proc.exitcode == 1
+            time.sleep(1.0)  # the watch polls twice a second
+        assert "tensor-parallel rank 1 exited (code 1) while rank 0 was starting" in caplog.text
+        with pytest.raises(RuntimeError, match=r"(?s)rank 1 failed:.*worker boom"):
+            workers.raise_failure(timeout_s=5)
+    finally:
+        workers.shutdown()
+        destroy_tensor_parallel()

@@ -11,9 +11,13 @@ traceback back instead, so the error shows in the caller, not only on a worker's
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
 import shutil
+import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,6 +87,32 @@ class Workers:
             replies.append(reply)
         return replies
 
+    @contextlib.contextmanager
+    def watching(self):
+        """While inside, a worker that exits makes rank 0's collectives fail instead of
+        waiting for it forever: NCCL has no notion of a dead peer, so the group is aborted
+        (gloo's collectives fail by themselves when a peer's connection closes)."""
+        stop = threading.Event()
+
+        def watch():
+            while not stop.wait(0.5):
+                dead = [(rank, p.exitcode) for rank, p in enumerate(self._procs, start=1) if p.exitcode is not None]
+                if dead:
+                    logger.error("tensor-parallel rank %d exited (code %s) while rank 0 was starting; its "
+                                 "traceback is above. Aborting the process group.", *dead[0])
+                    abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
+                    if self.backend == "nccl" and abort is not None:
+                        abort()
+                    return
+
+        watcher = threading.Thread(target=watch, name="kiln-tp-watch", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            watcher.join()
+
     def raise_failure(self, timeout_s: float) -> None:
         """Raise the first failure a worker reported within `timeout_s`, if any: rank 0's own
         error (a collective whose peer left) says less than the worker's traceback."""
@@ -136,12 +166,14 @@ def _worker_main(target: Callable, rank: int, size: int, backend: str, init_meth
     except EOFError:
         pass  # rank 0 went away: nothing left to serve
     except BaseException:
-        # Printed first: tearing down the group below can block while rank 0 waits in a collective.
         traceback.print_exc()
         try:
             conn.send(WorkerFailure(rank, traceback.format_exc()))
         except (BrokenPipeError, OSError):
             pass
-        raise
-    finally:
-        destroy_tensor_parallel()
+        # Leave without tearing the group down: rank 0 may be waiting in a collective with
+        # this rank, and an NCCL teardown would wait for it (the hang seen on 2xH200). Rank 0
+        # sees this process exit (Workers.watching) and aborts its side.
+        sys.stderr.flush()
+        os._exit(1)
+    destroy_tensor_parallel()

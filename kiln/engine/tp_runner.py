@@ -102,9 +102,9 @@ class TensorParallelRunner(ModelRunner):
         try:
             with timeline.phase("tensor_parallel_group"):
                 self.tp = join_as_rank0(self.workers)
-            with building_for(self.tp):
+            with self.workers.watching(), building_for(self.tp):
                 super().__init__(config, source, timeline)
-            worker_blocks = self.workers.gather()
+                worker_blocks = self.workers.gather()
         except BaseException as error:
             try:
                 self.workers.raise_failure(timeout_s=5)
