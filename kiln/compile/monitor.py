@@ -143,6 +143,11 @@ class CompileMonitor:
                     self.counters.inductor_compiles)
         logger.info("warm start parts: %s", ", ".join(f"{k} {self.warm_phases[k]:.3f} s" for k in self._warm_order()))
 
+    def compiled_in_workers(self, label: str, seconds: float) -> None:
+        """The wall time of a batch of worker compiles (loading their artifacts included)."""
+        self.times.compile_s += seconds
+        self.shape_compiled(label, seconds)
+
     def shape_compiled(self, label: str, seconds: float) -> None:
         logger.info("Compiling a graph for %s took %.2f s", label, seconds)
 

@@ -277,9 +277,9 @@ class PieceSet:
                 tables[job.shape][job.index] = store.load_piece(job.index, job.shape)
             self.monitor.piece_compiled_elsewhere(name, job.index, job.shape, result.seconds,
                                                   result.fx_cache_hit, self.captured)
-        self.monitor.shape_compiled(f"{len(jobs)} pieces in {self.workers.count} workers",
-                                    time.perf_counter() - start)
-        self.monitor.times.compile_s += time.perf_counter() - start
+        shapes = ", ".join(str(shape) for shape in dict.fromkeys(shape for shape, _ in todo))
+        self.monitor.compiled_in_workers(f"{shapes} ({len(jobs)} pieces in {self.workers.count} worker processes)",
+                                         time.perf_counter() - start)
 
     def _load_all(self, shape: TokenShape) -> list[Callable | None]:
         start = time.perf_counter()
