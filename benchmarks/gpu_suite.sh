@@ -10,7 +10,7 @@ log="$OUT/gpu_suite.log"
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-} 2>&1 | tee "$log"
+} 2>&1 | tee -a "$log"
 status=0
 run() {
     echo "=== $*" | tee -a "$log"
