@@ -22,7 +22,7 @@ from torch import nn
 
 from kiln.distributed import tp_state
 from kiln.distributed.collectives import all_gather, all_reduce
-from kiln.ops.linear import SkinnyLinear
+from kiln.ops.linear import linear_matmul
 
 
 def per_rank(size: int, what: str, parts: int) -> int:
@@ -61,7 +61,7 @@ class ColumnParallelLinear(ShardedLayer):
         self.full_weight_shape = (sum(output_sizes), input_size)
         self.weight = nn.Parameter(torch.empty(sum(self.shard_sizes), input_size))
         self.gather_output = gather_output and tp.size > 1
-        self.matmul = SkinnyLinear()
+        self.matmul = linear_matmul()
 
     def load_weight(self, full: torch.Tensor, part: int | None = None) -> None:
         """Keep this rank's rows of `full`: the whole fused weight, or output `part` of it."""
@@ -97,7 +97,7 @@ class RowParallelLinear(ShardedLayer):
         self.full_weight_shape = (output_size, input_size)
         self.weight = nn.Parameter(torch.empty(output_size, self.shard_cols))
         self.reduce = tp.size > 1
-        self.matmul = SkinnyLinear()
+        self.matmul = linear_matmul()
 
     def load_weight(self, full: torch.Tensor, part: int | None = None) -> None:
         _check_shape(full, self.full_weight_shape)
