@@ -64,7 +64,8 @@ class CompileWorkers:
         # all, now. Each compiles its Triton kernels itself: a pool of Inductor's own per worker
         # would start (and import torch) 16 more processes each, fighting Dynamo for the cores.
         with _environment(TORCHINDUCTOR_COMPILE_THREADS="1", TORCH_WARM_POOL="0"):
-            self.ready = [self.pool.submit(_warm_up) for _ in range(count)]
+            for _ in range(count):
+                self.pool.submit(_warm_up)
 
     def compile(self, jobs: list[PieceJob]) -> Iterator[tuple[PieceJob, PieceResult]]:
         """Each job with its result, in the order they finish (so the caller loads one
