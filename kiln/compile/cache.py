@@ -124,9 +124,11 @@ class CacheRoot:
     path: Path = field(default_factory=cache_root)
 
     def ensure(self) -> None:
-        if not self.path.exists():
+        try:
             self.path.mkdir(mode=0o700, parents=True)
-            os.chmod(self.path, 0o700)  # mkdir's mode is filtered by the umask
+        except FileExistsError:  # another process (a concurrent prewarm) made it first
+            return
+        os.chmod(self.path, 0o700)  # mkdir's mode is filtered by the umask
 
     def entry(self, key: str) -> "CacheEntry":
         return CacheEntry(self.path / key, key)
