@@ -5,7 +5,8 @@
 A Llama-shaped model with the layer count of Llama-3-8B (32) but tiny widths, captured in
 mode 3 with eager pieces (no Inductor), fresh each run: what is timed is Dynamo tracing the
 forward (the monitor's dynamo_s), which grows with the layers and the ops and Python frames
-in each, not with the widths. The median of --runs separate captures.
+in each, not with the widths. The median of --runs separate captures, with layer stamping (Dynamo traces
+each kind of layer once: kiln.compile.layer_stamping) and without, alternating, side by side.
 """
 
 from __future__ import annotations
@@ -21,18 +22,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 
-from kiln.compile import compile_model  # noqa: E402
+from kiln.compile import compile_model, layer_stamping  # noqa: E402
 from kiln.config import CompilationConfig  # noqa: E402
 from kiln.models import build_model  # noqa: E402
 from kiln.models.presets import PRESETS  # noqa: E402
 
 
-def trace_once(layers: int, tokens: int) -> dict:
+def trace_once(layers: int, tokens: int, stamp: bool) -> dict:
     torch._dynamo.reset()
     cfg = dataclasses.replace(PRESETS["llama-3-8b"], num_layers=layers, hidden_size=256, intermediate_size=512,
                               num_heads=8, num_kv_heads=2, head_dim=32, vocab_size=1024)
     model = build_model(cfg, torch.float32, torch.device("cpu"), frozenset(), None)
-    compiled = compile_model(model, CompilationConfig(mode=3, piece_compiler="eager"), 256)
+    config = CompilationConfig(mode=3, piece_compiler="eager", stamp_repeated_layers=stamp)
+    compiled = compile_model(model, config, 256)
     with torch.inference_mode():
         compiled(torch.randint(0, 1000, (tokens,)), torch.arange(tokens))
     return compiled.stats
@@ -45,14 +47,22 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="folder for dynamo_trace_cpu.json")
     args = p.parse_args()
-    runs = [trace_once(args.layers, args.tokens) for _ in range(args.runs)]
-    dynamo = [r["dynamo_s"] for r in runs]
+    runs = {"stamped": [], "plain": []}
+    for _ in range(args.runs):
+        runs["stamped"].append(trace_once(args.layers, args.tokens, True))
+        runs["plain"].append(trace_once(args.layers, args.tokens, False))
     report = {"layers": args.layers, "tokens": args.tokens, "torch": torch.__version__,
-              "dynamo_s": dynamo, "dynamo_median_s": statistics.median(dynamo),
-              "split_s": [r["split_s"] for r in runs], "pieces": runs[0]["pieces"],
-              "unique_pieces": runs[0]["unique_pieces"]}
-    print(f"Dynamo trace of a {args.layers}-layer Llama: {', '.join(f'{t:.2f}' for t in dynamo)} s "
-          f"(median {report['dynamo_median_s']:.2f} s); {report['pieces']} pieces, {report['unique_pieces']} unique")
+              "stamping_supported": layer_stamping.supported()}
+    for name, stats in runs.items():
+        dynamo = [r["dynamo_s"] for r in stats]
+        report[name] = {"dynamo_s": dynamo, "dynamo_median_s": statistics.median(dynamo),
+                        "split_s": [r["split_s"] for r in stats], "stamped_layers": stats[0]["stamped_layers"],
+                        "pieces": stats[0]["pieces"], "unique_pieces": stats[0]["unique_pieces"]}
+        print(f"Dynamo trace of a {args.layers}-layer Llama, {name}: {', '.join(f'{t:.2f}' for t in dynamo)} s "
+              f"(median {report[name]['dynamo_median_s']:.2f} s); {stats[0]['stamped_layers']} layers stamped, "
+              f"{report[name]['pieces']} pieces, {report[name]['unique_pieces']} unique")
+    report["plain_over_stamped"] = report["plain"]["dynamo_median_s"] / report["stamped"]["dynamo_median_s"]
+    print(f"plain / stamped: {report['plain_over_stamped']:.2f}x")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "dynamo_trace_cpu.json").write_text(json.dumps(report, indent=2))

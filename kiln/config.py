@@ -202,6 +202,9 @@ class CompilationConfig:
     # Processes that compile unique pieces side by side on a cold start (mode 3, Inductor
     # pieces, compile cache on); None: one per 4 cores, at most 4 (none below 8 cores); 0/1: in-process.
     compile_workers: int | None = None
+    # Dynamo traces one call of each kind of @repeated_layer and stamps the graph for the
+    # others (torch >= 2.12; kiln.compile.layer_stamping); false: trace every layer.
+    stamp_repeated_layers: bool = True
 
     _CHOICES = {"backend": None, "piece_compiler": ("inductor", "eager"), "strategy": ("eager", "lazy"),
                 "dynamic_shapes_mark": ("backed", "unbacked"), "splitting_mode": SPLITTING_MODES}
@@ -228,7 +231,7 @@ class CompilationConfig:
         if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
             raise ValueError(f"compilation compile_workers must be a count >= 0 (0 or 1: compile in-process) or "
                              f"null (one per 4 cores), got {workers!r}")
-        for name in ("debug_guards", "cudagraph_debug"):
+        for name in ("debug_guards", "cudagraph_debug", "stamp_repeated_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"compilation {name} must be true or false, got {getattr(self, name)!r}")
         self._check_cudagraphs()

@@ -22,6 +22,7 @@ _EXPORTS = {
     "CaptureError": "kiln.compile.capture",
     "compile_dynamic": "kiln.compile.opt_in",
     "dynamic_arg_dims": "kiln.compile.opt_in",
+    "repeated_layer": "kiln.compile.opt_in",
     "SplitOp": "kiln.compile.split",
     "effective_split_ops": "kiln.compile.split",
     "split_op": "kiln.compile.split",

@@ -15,6 +15,8 @@ token counts: a forward that branches on the token count fails loudly, naming th
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import inspect
 import re
 import time
@@ -28,6 +30,7 @@ from torch._dynamo.convert_frame import register_bytecode_hook
 from torch.utils._sympy.symbol import SymT, symbol_is_type
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
+from kiln.compile.layer_stamping import StampError, inline_stamped, stamping
 from kiln.compile.monitor import CompileMonitor, logger
 
 
@@ -118,8 +121,10 @@ def _counterexample(expr, tokens: sympy.Symbol, lo: int, hi: int) -> int | None:
     return None
 
 
-def checked_backend(backend: Callable, monitor: CompileMonitor, max_tokens: int, owner: str) -> Callable:
-    """Wrap a Dynamo backend: count the graph, check the token guards, then compile."""
+def checked_backend(backend: Callable, monitor: CompileMonitor, max_tokens: int, owner: str,
+                    model: torch.nn.Module | None = None) -> Callable:
+    """Wrap a Dynamo backend: count the graph, check the token guards, inline the stamped
+    layers of `model` (kiln.compile.layer_stamping), then compile."""
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list):
         with monitor.backend_call():
@@ -127,6 +132,15 @@ def checked_backend(backend: Callable, monitor: CompileMonitor, max_tokens: int,
             if shape_env is not None and max_tokens > 1:
                 # Backed sizes 0 and 1 are specialised by Dynamo; the range starts at 2.
                 check_token_guards(shape_env, 2, max_tokens, owner)
+            if model is not None:
+                try:
+                    calls, traced = inline_stamped(gm, example_inputs, model)
+                except StampError as e:
+                    raise CaptureError(f"{owner}: {e}") from None
+                if calls:
+                    monitor.counters.stamped_layers = calls - traced
+                    logger.info("Dynamo traced %d of %d repeated layer calls and stamped the other %d",
+                                traced, calls, calls - traced)
             return backend(gm, example_inputs)
 
     compile_graph.__name__ = getattr(backend, "__name__", "kiln_backend")
@@ -145,8 +159,8 @@ class Capture:
     """
 
     def __init__(self, model: torch.nn.Module, dims: dict[str, int], backend, *, guards: str,
-                 mark: str, max_tokens: int, monitor: CompileMonitor):
-        self.model, self.dims, self.guards = model, dims, guards
+                 mark: str, max_tokens: int, monitor: CompileMonitor, stamp: bool = False):
+        self.model, self.dims, self.guards, self.stamp = model, dims, guards, stamp
         self.mark, self.max_tokens, self.monitor = mark, max_tokens, monitor
         self.owner = f"{type(model).__name__}.forward"
         forward = type(model).forward
@@ -192,11 +206,15 @@ class Capture:
         hook = register_bytecode_hook(self._grab_code)
         self.code_ready = None
         start = time.perf_counter()
+        # A trace makes many short-lived objects; each full collection would also walk the
+        # whole heap the process had before (torch, the model): set that aside meanwhile.
+        gc.freeze()
         try:
             # Only the marked dims may be dynamic: Dynamo's automatic dynamic would otherwise
             # turn values that differed in earlier compiles of the same code (another model's
             # attention scale) into symbols.
-            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False), \
+                    stamping(self.model) if self.stamp else contextlib.nullcontext():
                 out = self.compiled(*args, **kwargs)
         except Exception as e:
             explained = explain(e, self.owner)
@@ -204,6 +222,7 @@ class Capture:
                 raise
             raise explained from e
         finally:
+            gc.unfreeze()
             hook.remove()
         self.captured = True
         # Until Dynamo handed over the new bytecode: the first run of the graph is not compiling.

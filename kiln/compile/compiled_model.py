@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kiln.compile import trace
+from kiln.compile import layer_stamping, trace
 from kiln.compile.backend import PiecewiseBackend, compile_ahead, runnable
 from kiln.compile.cache import CompileCache, ModelCache
 from kiln.compile.cache_key import compiler_factor, digest, env_factor, source_name
@@ -84,9 +84,12 @@ class CompiledModel:
         # Mode 1 is the stock baseline: Dynamo checks all its guards on every call.
         guards = "all" if self.mode == 1 else "shape" if config.debug_guards else "none"
         compiler = trace.announcing(compiler, self._trace_config)
-        return Capture(self.model, dims, checked_backend(compiler, self.monitor, max_tokens, owner),
+        # Stamping is kiln's: stock torch.compile (mode 1) traces every layer.
+        stamp = self.mode != 1 and config.stamp_repeated_layers
+        return Capture(self.model, dims, checked_backend(compiler, self.monitor, max_tokens, owner,
+                                                         self.model if stamp else None),
                        guards=guards, mark=config.dynamic_shapes_mark, max_tokens=max_tokens,
-                       monitor=self.monitor)
+                       monitor=self.monitor, stamp=stamp)
 
     def __call__(self, *args, **kwargs):
         if self.dispatch is not None:
@@ -210,6 +213,7 @@ class CompiledModel:
         c, model = self.config, self.model
         tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
         return {"mode": c.mode, "piece_compiler": c.piece_compiler, "dynamic_shapes_mark": c.dynamic_shapes_mark,
+                "stamp_repeated_layers": c.stamp_repeated_layers and layer_stamping.supported(),
                 "split_ops": sorted(op.name for op in self.split_ops), "splitting_mode": c.splitting_mode,
                 "passes": self.backend.passes.uuid() if self.backend.passes else None,
                 "max_num_batched_tokens": self.max_num_batched_tokens,

@@ -1,4 +1,5 @@
-"""The model opt-in: a class decorator naming the dynamic (token) dims of the forward."""
+"""The model opt-in: a class decorator naming the dynamic (token) dims of the forward, and
+one marking the layer it repeats (traced once: kiln.compile.layer_stamping)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,17 @@ def compile_dynamic(*, dynamic_arg_dims: dict[str, int]):
 def dynamic_arg_dims(model: torch.nn.Module) -> dict[str, int] | None:
     """The decorator's dims, or None for a model that did not opt in."""
     return getattr(type(model), "_kiln_dynamic_arg_dims", None)
+
+
+def repeated_layer(cls):
+    """Class decorator: a layer the model calls many times with the same code (a transformer
+    block). Dynamo traces one call of each kind and kiln stamps its graph for the others.
+    Layers alike in structure, called with None in the same arguments, must take inputs of
+    the same shapes and dtypes (the capture checks this); strings naming the layer's own
+    modules (an attention op's layer name) are renamed for each call."""
+    cls._kiln_repeated_layer = True
+    return cls
+
+
+def is_repeated_layer(module: torch.nn.Module) -> bool:
+    return getattr(type(module), "_kiln_repeated_layer", False)

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kiln.compile import compile_dynamic
+from kiln.compile import compile_dynamic, repeated_layer
 from kiln.distributed import tp_state
 from kiln.models.config import ModelArchConfig
 from kiln.models.parallel_layers import (
@@ -63,6 +63,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
+@repeated_layer
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, index: int):
         super().__init__()

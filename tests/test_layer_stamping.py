@@ -1,0 +1,117 @@
+"""Layer stamping: Dynamo traces a repeated layer once, kiln inlines the stamped copies, and
+the graph is the one a plain trace gives, each layer's ops naming that layer."""
+
+import pytest
+import torch
+
+from kiln.compile import CaptureError, compile_dynamic, compile_model, layer_stamping, repeated_layer
+from kiln.config import CompilationConfig
+
+needs_stamping = pytest.mark.skipif(not layer_stamping.supported(),
+                                    reason="torch has no nested_compile_region(reuse_hash_fn=...) (< 2.12)")
+
+graphs: list = []
+INPUTS = (torch.arange(6) * 37 % 512, torch.arange(6))
+
+
+@torch._dynamo.register_backend(name="kiln_test_record")
+def _record(gm, example_inputs):
+    graphs.append(gm)
+    return gm.forward
+
+
+def _ops(gm) -> list:
+    """Each call in order, with its string arguments (an attention op's layer name)."""
+    return [(str(n.target), [a for a in n.args if isinstance(a, str)], n.meta["example_value"].shape
+             if isinstance(n.meta.get("example_value"), torch.Tensor) else None)
+            for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _capture(model, stamp: bool):
+    graphs.clear()
+    compiled = compile_model(model, CompilationConfig(mode=2, backend="kiln_test_record",
+                                                      stamp_repeated_layers=stamp), 32)
+    out = compiled(*INPUTS)
+    assert len(graphs) == 1
+    return graphs[0], out, compiled.stats
+
+
+@needs_stamping
+@pytest.mark.parametrize("odd_layer", [False, True])
+def test_stamped_graph_is_the_plain_trace(tiny_llama_factory, odd_layer):
+    model = tiny_llama_factory(5)
+    if odd_layer:  # a layer unlike the others must be traced, not stamped from another
+        model.model.layers[3].post_attention_layernorm.eps = 1e-2
+    plain, plain_out, plain_stats = _capture(model, stamp=False)
+    stamped, stamped_out, stats = _capture(model, stamp=True)
+    assert plain_stats["stamped_layers"] == 0
+    # layer 0 (no residual yet) and layer 1 are traced; so is layer 3 when it differs
+    assert stats["stamped_layers"] == (2 if odd_layer else 3)
+    assert not [n for n in stamped.graph.nodes if "invoke_subgraph" in str(n.target)]
+    assert _ops(stamped) == _ops(plain)
+    names = [args[0] for target, args, _ in _ops(stamped) if target == "kiln.attention.default"]
+    assert names == [f"model.layers.{i}.self_attn.attn" for i in range(5)]
+    torch.testing.assert_close(stamped_out, plain_out, rtol=0, atol=0)
+    torch.testing.assert_close(stamped_out, model(*INPUTS), rtol=1e-5, atol=1e-5)
+    if odd_layer:
+        eps = [n.args for n in stamped.graph.nodes if n.op == "call_function" and "add" in str(n.target)
+               and 1e-2 in n.args]
+        assert len(eps) == 1
+
+
+@needs_stamping
+def test_piecewise_capture_stamps_and_matches_eager(tiny_llama_factory):
+    model = tiny_llama_factory(4)
+    compiled = compile_model(model, CompilationConfig(mode=3, piece_compiler="eager"), 32)
+    ids, pos = torch.randint(0, 512, (7,)), torch.arange(7)
+    torch.testing.assert_close(compiled(ids, pos), model(ids, pos), rtol=0, atol=0)
+    stats = compiled.stats
+    assert stats["stamped_layers"] == 2
+    assert (stats["pieces"], stats["unique_pieces"], stats["opaque_regions"]) == (5, 3, 4)
+    # the layer classes are themselves again after the capture
+    assert "forward" in type(model.model.layers[0]).__dict__
+    assert not hasattr(model.model.layers[0], layer_stamping.KEY_ATTR)
+
+
+def test_without_support_every_layer_is_traced(tiny_llama_factory, monkeypatch):
+    monkeypatch.setattr(layer_stamping, "supported", lambda: False)
+    _, _, stats = _capture(tiny_llama_factory(3), stamp=True)
+    assert stats["stamped_layers"] == 0
+
+
+def test_stamp_setting_must_be_a_bool():
+    with pytest.raises(ValueError, match="stamp_repeated_layers must be true or false"):
+        CompilationConfig(stamp_repeated_layers="yes")
+
+
+def test_path_change_reads_the_layer_from_a_weight_name():
+    assert layer_stamping._path_change("model.layers.1.mlp.w", "model.layers.12.mlp.w") == \
+        ("model.layers.1", "model.layers.12")
+    assert layer_stamping._path_change("a.b", "a.b") is None
+
+
+@repeated_layer
+class _Twice(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+@compile_dynamic(dynamic_arg_dims={"x": 0})
+class _RankChanging(torch.nn.Module):
+    """Two alike layers, called on inputs of different ranks: not stampable."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Twice(), _Twice()
+
+    def forward(self, x):
+        return self.b(self.a(x).unsqueeze(0))
+
+
+@needs_stamping
+def test_layers_called_on_unlike_inputs_fail_at_capture_naming_the_setting():
+    compiled = compile_model(_RankChanging(), CompilationConfig(mode=2, backend="eager"), 32)
+    with pytest.raises(CaptureError, match="not alike: set -cc.stamp_repeated_layers=false"):
+        compiled(torch.ones(4, 3))
+    off = compile_model(_RankChanging(), CompilationConfig(mode=2, backend="eager", stamp_repeated_layers=False), 32)
+    torch.testing.assert_close(off(torch.ones(4, 3)), torch.full((1, 4, 3), 4.0))
