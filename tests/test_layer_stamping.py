@@ -73,10 +73,12 @@ def test_piecewise_capture_stamps_and_matches_eager(tiny_llama_factory):
     assert not hasattr(model.model.layers[0], layer_stamping.KEY_ATTR)
 
 
-def test_without_support_every_layer_is_traced(tiny_llama_factory, monkeypatch):
+def test_without_support_every_layer_is_traced(tiny_llama_factory, monkeypatch, caplog):
     monkeypatch.setattr(layer_stamping, "supported", lambda: False)
-    _, _, stats = _capture(tiny_llama_factory(3), stamp=True)
+    with caplog.at_level("INFO", logger="kiln.compile"):
+        _, _, stats = _capture(tiny_llama_factory(3), stamp=True)
     assert stats["stamped_layers"] == 0
+    assert "Dynamo traces all 3 layers" in caplog.text
 
 
 def test_stamp_setting_must_be_a_bool():

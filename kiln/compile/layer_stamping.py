@@ -27,6 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch import fx, nn
 
+from kiln.compile.monitor import logger
 from kiln.compile.opt_in import is_repeated_layer
 
 KEY_ATTR = "_kiln_stamp_key"  # set on each layer instance for the length of a capture
@@ -82,6 +83,9 @@ def stamping(model: nn.Module) -> Iterator[None]:
     """While tracing, the forward of every @repeated_layer class in `model` is a nested
     compile region keyed by the layer's structure."""
     layers = [(path, m) for path, m in model.named_modules() if is_repeated_layer(m)]
+    if layers and not supported():
+        logger.info("layer stamping needs torch.compiler.nested_compile_region(reuse_hash_fn=...) "
+                    "(torch >= 2.12; this is %s): Dynamo traces all %d layers", torch.__version__, len(layers))
     if not layers or not supported():
         yield
         return
