@@ -60,11 +60,13 @@ def test_stamped_graph_is_the_plain_trace(tiny_llama_factory, odd_layer):
 
 
 @needs_stamping
-def test_piecewise_capture_stamps_and_matches_eager(tiny_llama_factory):
+def test_piecewise_capture_stamps_and_matches_eager(tiny_llama_factory, caplog):
     model = tiny_llama_factory(4)
     compiled = compile_model(model, CompilationConfig(mode=3, piece_compiler="eager"), 32)
     ids, pos = torch.randint(0, 512, (7,)), torch.arange(7)
-    torch.testing.assert_close(compiled(ids, pos), model(ids, pos), rtol=0, atol=0)
+    with caplog.at_level("INFO", logger="kiln.compile"):
+        torch.testing.assert_close(compiled(ids, pos), model(ids, pos), rtol=0, atol=0)
+    assert "Dynamo traced 2 of 4 repeated layers and stamped the other 2" in caplog.text
     stats = compiled.stats
     assert stats["stamped_layers"] == 2
     assert (stats["pieces"], stats["unique_pieces"], stats["opaque_regions"]) == (5, 3, 4)

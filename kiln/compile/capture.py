@@ -32,6 +32,7 @@ from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from kiln.compile.layer_stamping import StampError, inline_stamped, stamping
 from kiln.compile.monitor import CompileMonitor, logger
+from kiln.compile.opt_in import is_repeated_layer
 
 
 class CaptureError(RuntimeError):
@@ -134,13 +135,14 @@ def checked_backend(backend: Callable, monitor: CompileMonitor, max_tokens: int,
                 check_token_guards(shape_env, 2, max_tokens, owner)
             if model is not None:
                 try:
-                    calls, traced = inline_stamped(gm, example_inputs, model)
+                    stamped = inline_stamped(gm, example_inputs, model)
                 except StampError as e:
                     raise CaptureError(f"{owner}: {e}") from None
-                if calls:
-                    monitor.counters.stamped_layers = calls - traced
-                    logger.info("Dynamo traced %d of %d repeated layer calls and stamped the other %d",
-                                traced, calls, calls - traced)
+                if stamped:
+                    monitor.counters.stamped_layers = stamped
+                    layers = sum(map(is_repeated_layer, model.modules()))
+                    logger.info("Dynamo traced %d of %d repeated layers and stamped the other %d",
+                                layers - stamped, layers, stamped)
             return backend(gm, example_inputs)
 
     compile_graph.__name__ = getattr(backend, "__name__", "kiln_backend")

@@ -120,14 +120,14 @@ def _path_change(first: str, this: str) -> tuple[str, str] | None:
     return (".".join(a), ".".join(b)) if a and b else None
 
 
-def inline_stamped(gm: fx.GraphModule, example_inputs: list, model: nn.Module) -> tuple[int, int]:
+def inline_stamped(gm: fx.GraphModule, example_inputs: list, model: nn.Module) -> int:
     """Replace every invoke_subgraph call in `gm` by a copy of its subgraph, renaming the
     strings that name the traced layer's modules to the calling layer's. Returns the number
-    of calls and of distinct subgraphs (the layers Dynamo traced)."""
+    of calls Dynamo stamped rather than traced."""
     calls = [n for n in gm.graph.nodes
              if n.op == "call_function" and n.target is getattr(torch.ops.higher_order, "invoke_subgraph", None)]
     if not calls:
-        return 0, 0
+        return 0
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     by_id = _tensor_names(model)
     input_name = {p: by_id.get(id(x)) for p, x in zip(placeholders, example_inputs) if isinstance(x, torch.Tensor)}
@@ -154,7 +154,7 @@ def inline_stamped(gm: fx.GraphModule, example_inputs: list, model: nn.Module) -
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
-    return len(calls), len(traced)
+    return len(calls) - len(traced)
 
 
 def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, change: tuple[str, str] | None,
