@@ -153,3 +153,27 @@ def test_mode_2_with_a_named_backend(tiny_llama):
         torch.testing.assert_close(compiled(ids, pos), tiny_llama(ids, pos), rtol=0, atol=0)
     assert compiled.stats["graphs_seen"] == 1 and compiled.capture.direct is not None
     assert "Dynamo once" in compiled.describe()
+
+
+@pytest.mark.parametrize("mode, first", [(3, 16), (2, 64)])
+def test_warm_up_captures_with_few_tokens_in_mode_3(tiny_llama, mode, first):
+    """Mode 3 captures with 16 tokens and compiles every range then; mode 2's backend tunes
+    for the capture call's count, so it gets the most tokens."""
+    calls = []
+
+    def inputs(n):
+        calls.append(n)
+        return _inputs(n)
+
+    config = CompilationConfig(mode=mode, piece_compiler="eager", backend="eager", compile_ranges=[8])
+    compiled = compile_model(tiny_llama, config, 64)
+    compiled.warm_up(inputs)
+    assert calls == [first]
+    if mode == 3:
+        assert set(compiled.backend.pieces.by_shape) == set(compiled.backend.plan.all_shapes())
+
+
+def test_a_range_is_tuned_for_its_largest_count():
+    from kiln.compile.pieces import TokenShape, size_hint
+
+    assert size_hint(TokenShape(9, 64)) == 64 and size_hint(TokenShape(4, 4)) == 4

@@ -49,7 +49,6 @@ class SplitProgram:
     slots: dict[str, tuple[int, int, int | None]]  # piece -> (unique index, token arg, token dim)
     uniques: list[UniquePiece]
     regions: list[str]
-    traced_tokens: int  # the capture call's token count: the size hint for ranges
     call: CallSpec | None = None  # how to call the graph without Dynamo, once known
 
     def summary(self) -> dict:
@@ -141,7 +140,7 @@ class PiecewiseBackend:
         graph = fx.GraphModule({name: nn.Module() if name in slots else getattr(split.module, name)
                                 for name in split.pieces + split.regions}, split.module.graph, class_name="SplitGraph")
         traced = traced_count(fakes, example_inputs, tokens)
-        self.program = SplitProgram(graph, slots, uniques, split.regions, traced)
+        self.program = SplitProgram(graph, slots, uniques, split.regions)
         trace.split_graph(self.program)
         store = self.cache.entry_for(traced_files(gm)) if self.cache is not None else None
         self.start(self.program, store)
@@ -153,7 +152,7 @@ class PiecewiseBackend:
     def start(self, program: SplitProgram, store=None) -> None:
         """The pieces of `program`, artifacts from `store` where it has them."""
         self.program = program
-        self.pieces = PieceSet(program.uniques, program.traced_tokens, self.plan, self.config.piece_compiler,
+        self.pieces = PieceSet(program.uniques, self.plan, self.config.piece_compiler,
                                self.monitor, store, self.inductor_config)
         self.pieces.workers = self.workers
         c = self.monitor.counters

@@ -41,7 +41,6 @@ class PieceJob:
     shape: object  # TokenShape
     graph: bytes  # the pickled piece graph (fx.GraphModule)
     inputs: list  # PieceInput
-    size_hint: int
     entry: object  # the CacheEntry whose Inductor dir receives the built files
     inductor_config: dict
     out: str  # where the worker saves the artifact
@@ -139,7 +138,7 @@ def _compile(job: PieceJob) -> PieceResult:
     hits = counters["inductor"]["fxgraph_cache_hit"]
     try:
         graph = pickle.loads(job.graph)
-        mode, inputs = specialise(job.inputs, job.shape, job.size_hint)
+        mode, inputs = specialise(job.inputs, job.shape)
         with job.entry.compiler_dirs(), torch._inductor.config.patch(job.inductor_config):
             artifact = compile_piece(graph, mode, inputs)
             tmp = Path(job.out)

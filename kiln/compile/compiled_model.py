@@ -35,6 +35,9 @@ if TYPE_CHECKING:  # kiln.config imports kiln.ops, whose attention imports kiln.
 _MODE_NAMES = {0: "eager", 1: "stock torch.compile", 2: "Dynamo once + backend", 3: "kiln piecewise"}
 
 
+CAPTURE_TOKENS = 16  # the mode-3 warm-up's capture call (Dynamo specialises a count of 1)
+
+
 class CompiledModel:
     """A model's forward behind the configured compile mode."""
 
@@ -237,14 +240,18 @@ class CompiledModel:
         """Make the forward ready for every compile range and size, so nothing compiles while
         serving: start warm from the cache if it can, then run what is still missing.
 
-        The first call, with the most tokens, is the capture (and, with the eager strategy,
-        compiles every range and size). `context(n)`, if given, is entered around the call
-        with n tokens (the caller's per-call state, e.g. what opaque ops read).
+        The first call is the capture. In mode 3 it hands the backend every range and size to
+        compile, and has few tokens: the graph it traces serves every count, each range is
+        tuned for its largest count anyway (pieces.size_hint), and a 2048-token forward cost
+        4.5 s of a 1-thread CPU start. In mode 2 the backend tunes for the capture call's
+        count, so that call has the most tokens. `context(n)`, if given, is entered around the
+        call with n tokens (the caller's per-call state, e.g. what opaque ops read).
         """
         if self.capture is None:
             return
         counts = [self.max_num_batched_tokens]
         if self.backend is not None:
+            counts = [min(self.max_num_batched_tokens, CAPTURE_TOKENS)]
             self._warm_start()
             # The calls below need every range and size: a capture compiles them all at once.
             self.backend.ahead = self.backend.plan.all_shapes()

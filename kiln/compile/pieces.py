@@ -126,15 +126,21 @@ def _expr(value) -> sympy.Expr:
     return value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value)
 
 
-def specialise(inputs: list[PieceInput], shape: TokenShape, hint: int) -> tuple[FakeTensorMode, list]:
+def size_hint(shape: TokenShape) -> int:
+    """The token count Inductor tunes a shape for: a range's largest, the batches where speed
+    matters most, whatever count the capture call had."""
+    return shape.hi
+
+
+def specialise(inputs: list[PieceInput], shape: TokenShape) -> tuple[FakeTensorMode, list]:
     """Fake inputs for compiling a piece for `shape`: T becomes the size, or a fresh symbol
     bounded to the range, in a shape env of the piece's own."""
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env)
+    hint = size_hint(shape)
     if shape.is_size:
-        new, hint = sympy.Integer(shape.lo), shape.lo
+        new = sympy.Integer(shape.lo)
     else:
-        hint = min(max(hint, shape.lo, 2), shape.hi)
         new = env.create_symbol(hint, ConstantSource("num_tokens"), dynamic_dim=DimDynamic.DYNAMIC)
         env.constrain_symbol_range(new, shape.lo, shape.hi)
 
@@ -195,12 +201,11 @@ class PieceSet:
     what had to be compiled is written there.
     """
 
-    def __init__(self, uniques: list[UniquePiece], traced_tokens: int, plan: ShapePlan, compiler: str,
+    def __init__(self, uniques: list[UniquePiece], plan: ShapePlan, compiler: str,
                  monitor: CompileMonitor, store=None, inductor_config: dict | None = None):
-        # traced_tokens: the capture call's count, the size hint Inductor tunes a range for
-        # when it holds that count. inductor_config: Inductor settings patched around every
-        # piece compile (the pass manager, graph partitioning).
-        self.uniques, self.traced_tokens = uniques, traced_tokens
+        # inductor_config: Inductor settings patched around every piece compile (the pass
+        # manager, graph partitioning).
+        self.uniques = uniques
         self.inductor_config = inductor_config or {}
         self.plan, self.compiler, self.monitor, self.store = plan, compiler, monitor, store
         self.by_shape: dict[TokenShape, list[Callable]] = {}
@@ -251,7 +256,7 @@ class PieceSet:
             for shape, table in zip(shapes, tables):
                 if not all(table):
                     self._compile_all(shape, table)
-                self.store.shape_done(shape, self.traced_tokens, len(self.uniques))
+                self.store.shape_done(shape, size_hint(shape), len(self.uniques))
             return tables
 
     def _compile_in_workers(self, todo: list[tuple[TokenShape, int]], tables: dict[TokenShape, list]) -> None:
@@ -263,8 +268,8 @@ class PieceSet:
         for shape, i in todo:
             piece = self.uniques[i]
             out = store.path / f"{store.artifact(i, shape)}.{os.getpid()}.worker.tmp"
-            jobs.append(PieceJob(i, shape, pickle.dumps(piece.graph), piece.inputs, self.traced_tokens,
-                                 store, self.inductor_config, str(out)))
+            jobs.append(PieceJob(i, shape, pickle.dumps(piece.graph), piece.inputs, store,
+                                 self.inductor_config, str(out)))
         logger.info("compiling %d pieces in %d worker processes", len(jobs), self.workers.count)
         for job, result in self.workers.compile(jobs):
             name = self.uniques[job.index].name
@@ -302,7 +307,7 @@ class PieceSet:
         with self.monitor.progress(len(todo), f"compiling {shape}") as bar, self._compiler_dirs():
             for i in todo:
                 piece = self.uniques[i]
-                mode, inputs = specialise(piece.inputs, shape, self.traced_tokens)
+                mode, inputs = specialise(piece.inputs, shape)
                 with (self.monitor.piece_compile(piece.name, i, shape, self.captured),
                       torch._inductor.config.patch(self.inductor_config), compiling(piece.name, shape)):
                     table[i] = compile_piece(piece.graph, mode, inputs)
