@@ -119,3 +119,33 @@ def test_layers_called_on_unlike_inputs_fail_at_capture_naming_the_setting():
         compiled(torch.ones(4, 3))
     off = compile_model(_RankChanging(), CompilationConfig(mode=2, backend="eager", stamp_repeated_layers=False), 32)
     torch.testing.assert_close(off(torch.ones(4, 3)), torch.full((1, 4, 3), 4.0))
+
+
+@repeated_layer
+class _Named(torch.nn.Module):
+    """A layer without weights whose op names it: kiln cannot tell stamped calls apart."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+
+    def forward(self, x):
+        torch.ops.kiln.kv_cache_write(x.view(-1, 1, x.shape[-1]), x.view(-1, 1, x.shape[-1]), self.name)
+        return x * 2
+
+
+@compile_dynamic(dynamic_arg_dims={"x": 0})
+class _Unweighted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Named("a"), _Named("b")
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@needs_stamping
+def test_stamped_layers_that_cannot_be_told_apart_fail_at_capture():
+    compiled = compile_model(_Unweighted(), CompilationConfig(mode=2, backend="eager"), 32)
+    with pytest.raises(CaptureError, match=r"cannot tell which layer's names \(\['a'\]\)"):
+        compiled(torch.ones(4, 3))

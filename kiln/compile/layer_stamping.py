@@ -146,6 +146,9 @@ def inline_stamped(gm: fx.GraphModule, example_inputs: list, model: nn.Module) -
             if len(changes) > 1:
                 raise StampError(f"a stamped layer call reads weights of several layers ({sorted(changes)}); {OFF}")
             change = changes.pop() if changes else None
+            if change is None and any(_strings(body) & modules):
+                raise StampError(f"a stamped call of {body_name} passes no weights of its own, so kiln cannot tell "
+                                 f"which layer's names ({sorted(_strings(body) & modules)}) it should get; {OFF}")
         _inline(gm, call, body, change, modules)
     for body_name in traced:
         gm.delete_submodule(body_name)
@@ -155,6 +158,13 @@ def inline_stamped(gm: fx.GraphModule, example_inputs: list, model: nn.Module) -
     gm.graph.lint()
     gm.recompile()
     return len(calls) - len(traced)
+
+
+def _strings(body: fx.GraphModule) -> set[str]:
+    found: set[str] = set()
+    for node in body.graph.nodes:
+        fx.node.map_aggregate((node.args, node.kwargs), lambda v: found.add(v) if isinstance(v, str) else None)
+    return found
 
 
 def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, change: tuple[str, str] | None,
