@@ -45,7 +45,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--out", type=Path, default=None, help="folder for dynamo_trace_cpu.json")
+    p.add_argument("--out", type=Path, default=None, help="folder for dynamo_trace_torch<version>.json")
     args = p.parse_args()
     runs = {"stamped": [], "plain": []}
     for _ in range(args.runs):
@@ -65,7 +65,9 @@ def main() -> None:
     print(f"plain / stamped: {report['plain_over_stamped']:.2f}x")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "dynamo_trace_cpu.json").write_text(json.dumps(report, indent=2))
+        # Per torch version: whether it can stamp (>= 2.12) is the first thing this shows.
+        name = f"dynamo_trace_torch{torch.__version__.split('+')[0]}.json"
+        (args.out / name).write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ run() {
 # `bash benchmarks/gpu_suite.sh kernels graphs tiles` then `... engine cache bench`).
 # cache-nopyc and tp (not in the default list): the cache part without cached bytecode, and
 # the tensor-parallel comparison (2 GPUs).
-parts=${*:-kernels gemv graphs tiles engine cache bench}
+parts=${*:-kernels gemv graphs tiles engine dynamo cache bench}
 for part in $parts; do
     case $part in
         kernels) run python benchmarks/gpu_kernels.py "$OUT" ;;
@@ -32,6 +32,8 @@ for part in $parts; do
         graphs) run python benchmarks/cudagraphs.py --out "$OUT" --profile --recapture default ;;
         tiles) run python benchmarks/attention_tiles.py --out "$OUT" ;;
         engine) run python benchmarks/engine_throughput.py --device cuda --model llama-3-8b --out "$OUT" ;;
+        # Dynamo alone (a CPU trace) under this machine's torch: can it stamp layers?
+        dynamo) run python benchmarks/dynamo_trace.py --runs 3 --out "$OUT" ;;
         # Bytecode cached under a prefix (as on an install pip compiled); cache-nopyc: this
         # machine's install as it is (no usable .pyc: every import compiles source).
         cache) run python benchmarks/cache_start.py --device cuda --model llama-3-8b --out "$OUT" \
@@ -40,7 +42,7 @@ for part in $parts; do
         bench) run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT" ;;
         # Needs 2 GPUs (nvidia-h200-x2): TP=1 against TP=2, with and without sequence parallelism.
         tp) run python benchmarks/tp_decode.py --out "$OUT" --modes graphs O2 O2+SP --batches 1 64 --timeout 150 ;;
-        *) echo "unknown part $part; parts: kernels gemv graphs tiles engine cache cache-nopyc bench tp" >&2; exit 2 ;;
+        *) echo "unknown part $part; parts: kernels gemv graphs tiles engine dynamo cache cache-nopyc bench tp" >&2; exit 2 ;;
     esac
 done
 exit $status
