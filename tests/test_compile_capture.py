@@ -177,3 +177,20 @@ def test_a_range_is_tuned_for_its_largest_count():
     from kiln.compile.pieces import TokenShape, size_hint
 
     assert size_hint(TokenShape(9, 64)) == 64 and size_hint(TokenShape(4, 4)) == 4
+
+
+def test_kernel_path_ops_capture_with_one_token_symbol():
+    """With every op on its kernel path (the -O1 default) positions meet the hidden states
+    only inside the rotary op: its fake says they share the token count."""
+    import dataclasses
+
+    from kiln.models import build_model
+    from kiln.models.presets import PRESETS
+    from kiln.ops.custom_op import known_ops
+
+    cfg = dataclasses.replace(PRESETS["tiny-llama"], num_layers=2)
+    model = build_model(cfg, torch.float32, torch.device("cpu"), frozenset(known_ops()) - {"skinny_linear"}, None)
+    compiled = compile_model(model, SPLIT_ONLY, 64)
+    ids, pos = _inputs(6)
+    torch.testing.assert_close(compiled(ids, pos), model(ids, pos), rtol=0, atol=0)
+    assert compiled.stats["graphs_seen"] == 1

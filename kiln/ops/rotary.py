@@ -66,6 +66,9 @@ def rotary_op(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 @rotary_op.register_fake
 def _(positions, q, k, cos_sin_cache, head_dim):
+    # The op is where the positions meet the hidden states: say they have one token count,
+    # or a capture gives positions a size symbol of its own (as the native path does not).
+    torch._check(positions.shape[0] == q.shape[0])
     return torch.empty_like(q), torch.empty_like(k)
 
 
