@@ -71,6 +71,12 @@ class EngineConfig:
                 raise ValueError(f"enforce_eager contradicts compilation mode {self.compilation.mode}; drop one")
             self.compilation = CompilationConfig.level(0)
         resolve_custom_ops(self.custom_ops, "none")  # a bad list fails now, not at build time
+        cc = self.compilation
+        if cc is not None and cc.debug_guards and cc.dynamic_shapes_mark == "backed" and cc.mode in (2, 3):
+            # Dynamo specialises a backed count of 1, so the first one-sequence decode step
+            # would fail the guard check mid-request.
+            raise ValueError("debug_guards with backed dynamic shapes fails every 1-token step (a decode of "
+                             "one sequence); add -cc.dynamic_shapes_mark=unbacked to debug the engine")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")

@@ -87,3 +87,12 @@ def test_uses_inductor():
 def test_from_dict_keeps_typed_values():
     config = compilation_config_from_dict({"compile_sizes": [1, 8], "mode": 3}, level=1)
     assert config.compile_sizes == [1, 8] and config.piece_compiler == "eager"
+
+
+def test_engine_refuses_debug_guards_that_every_decode_step_would_fail():
+    from kiln.config import EngineConfig
+
+    with pytest.raises(ValueError, match="add -cc.dynamic_shapes_mark=unbacked"):
+        EngineConfig(model="tiny-llama", device="cpu", compilation=CompilationConfig(mode=3, debug_guards=True))
+    EngineConfig(model="tiny-llama", device="cpu",
+                 compilation=CompilationConfig(mode=3, debug_guards=True, dynamic_shapes_mark="unbacked"))
