@@ -42,6 +42,11 @@ def cmd_generate(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     engine = LLMEngine(_engine_config(args))
+    if engine.tokenizer is None:
+        engine.shutdown()
+        raise ValueError(f"model {engine.source.name!r} has no tokenizer (a random-weight preset), so `kiln "
+                         f"generate` cannot read the prompt; use the default SmolLM2, a .gguf file or an HF "
+                         f"folder (`kiln bench --model {engine.source.name}` times a preset)")
     if args.no_chat or engine.tokenizer.chat_template is None:
         prompt = engine.tokenizer.encode(args.prompt)
     else:

@@ -22,3 +22,16 @@ def test_generate_bad_input_is_a_clear_error():
     run = _kiln("generate", "hi", "--custom-ops", "+rms_norm")
     assert run.returncode == 2
     assert "exactly one base" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_generate_o1_runs_the_kernel_path_ops_captured():
+    # -O1 keeps the opaque kernel-path ops (no Inductor to fuse the native ones)
+    run = _kiln("generate", "What is the capital of France?", "--max-tokens", "8", "-O1")
+    assert run.returncode == 0, run.stderr
+    assert "Paris" in run.stdout and "eager pieces" in run.stderr
+
+
+def test_generate_a_preset_without_tokenizer_is_a_clear_error():
+    run = _kiln("generate", "hi", "--model", "tiny-llama")
+    assert run.returncode == 2
+    assert "has no tokenizer" in run.stderr and "Traceback" not in run.stderr
