@@ -149,3 +149,20 @@ def test_stamped_layers_that_cannot_be_told_apart_fail_at_capture():
     compiled = compile_model(_Unweighted(), CompilationConfig(mode=2, backend="eager"), 32)
     with pytest.raises(CaptureError, match=r"cannot tell which layer's names \(\['a'\]\)"):
         compiled(torch.ones(4, 3))
+
+
+@needs_stamping
+def test_a_layer_class_that_inherits_its_forward_is_stamped_and_restored(tiny_llama_factory):
+    from kiln.models.llama import LlamaDecoderLayer
+
+    @repeated_layer
+    class Inherited(LlamaDecoderLayer):
+        pass
+
+    model = tiny_llama_factory(3)
+    for layer in model.model.layers:
+        layer.__class__ = Inherited
+    _, out, stats = _capture(model, stamp=True)
+    assert stats["stamped_layers"] == 1
+    assert "forward" not in Inherited.__dict__ and Inherited.forward is LlamaDecoderLayer.forward
+    torch.testing.assert_close(out, model(*INPUTS), rtol=1e-5, atol=1e-5)

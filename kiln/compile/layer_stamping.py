@@ -92,15 +92,19 @@ def stamping(model: nn.Module) -> Iterator[None]:
     keys: dict[str, int] = {}
     for path, layer in layers:
         setattr(layer, KEY_ATTR, keys.setdefault(_structure(layer, path), len(keys)))
-    originals = {cls: cls.__dict__["forward"] for cls in {type(m) for _, m in layers}}
+    # A class may inherit its forward: then the wrapper is removed again, not replaced.
+    originals = {cls: cls.__dict__.get("forward") for cls in {type(m) for _, m in layers}}
     try:
-        for cls, forward in originals.items():
-            cls.forward = torch.compiler.nested_compile_region(forward, reuse_hash_fn=_reuse_key,
+        for cls in originals:
+            cls.forward = torch.compiler.nested_compile_region(cls.forward, reuse_hash_fn=_reuse_key,
                                                                max_reuse_entries=64)
         yield
     finally:
         for cls, forward in originals.items():
-            cls.forward = forward
+            if forward is None:
+                del cls.forward
+            else:
+                cls.forward = forward
         for _, layer in layers:
             delattr(layer, KEY_ATTR)
 
