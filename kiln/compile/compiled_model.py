@@ -249,8 +249,9 @@ class CompiledModel:
         """
         if self.capture is None:
             return
-        counts = [self.max_num_batched_tokens]
-        if self.backend is not None:
+        if self.backend is None:
+            counts = [self.max_num_batched_tokens]
+        else:
             counts = [min(self.max_num_batched_tokens, CAPTURE_TOKENS)]
             self._warm_start()
             # The calls below need every range and size: a capture compiles them all at once.

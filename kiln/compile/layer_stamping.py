@@ -150,9 +150,10 @@ def inline_stamped(gm: fx.GraphModule, example_inputs: list, model: nn.Module) -
             if len(changes) > 1:
                 raise StampError(f"a stamped layer call reads weights of several layers ({sorted(changes)}); {OFF}")
             change = changes.pop() if changes else None
-            if change is None and any(_strings(body) & modules):
+            named = _strings(body) & modules if change is None else set()
+            if named:
                 raise StampError(f"a stamped call of {body_name} passes no weights of its own, so kiln cannot tell "
-                                 f"which layer's names ({sorted(_strings(body) & modules)}) it should get; {OFF}")
+                                 f"which layer's names ({sorted(named)}) it should get; {OFF}")
         _inline(gm, call, body, change, modules)
     for body_name in traced:
         gm.delete_submodule(body_name)
@@ -177,8 +178,8 @@ def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, change: tup
     env: dict[fx.Node, object] = {}
     params = [n for n in body.graph.nodes if n.op == "placeholder"]
     for p, operand in zip(params, operands):
-        want, got = p.meta.get("example_value"), operand.meta.get("example_value") \
-            if isinstance(operand, fx.Node) else operand
+        want = p.meta.get("example_value")
+        got = operand.meta.get("example_value") if isinstance(operand, fx.Node) else operand
         if isinstance(want, torch.Tensor) and (not isinstance(got, torch.Tensor) or want.dtype != got.dtype
                                                or want.dim() != got.dim()):
             raise StampError(f"the stamped layer graph {call.args[0].target} takes {p.name} as a "
@@ -199,7 +200,7 @@ def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, change: tup
                 copy.args, copy.kwargs = fx.node.map_aggregate((copy.args, copy.kwargs), rename)
                 stack = copy.meta.get("nn_module_stack")
                 if stack:
-                    copy.meta["nn_module_stack"] = {k: (rename(path), cls) for k, (path, cls) in stack.items()}
+                    copy.meta["nn_module_stack"] = {k: (rename(v[0]), *v[1:]) for k, v in stack.items()}
             env[node] = copy
     for user in list(call.users):
         if user.op != "call_function" or user.target is not operator.getitem:
