@@ -194,3 +194,9 @@ def test_kernel_path_ops_capture_with_one_token_symbol():
     ids, pos = _inputs(6)
     torch.testing.assert_close(compiled(ids, pos), model(ids, pos), rtol=0, atol=0)
     assert compiled.stats["graphs_seen"] == 1
+
+
+def test_piecewise_mode_with_one_token_at_most_fails_at_start_up(tiny_llama):
+    with pytest.raises(ValueError, match="needs max_num_batched_tokens >= 2"):
+        compile_model(tiny_llama, SPLIT_ONLY, 1)
+    compile_model(tiny_llama, CompilationConfig(mode=2, backend="eager"), 1)  # one static graph serves

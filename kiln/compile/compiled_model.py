@@ -52,6 +52,10 @@ class CompiledModel:
         check_split_ops(self.split_ops)
         self.dims = dynamic_arg_dims(model)
         self.mode = config.mode if self.dims is not None else 0
+        if self.mode == 3 and max_num_batched_tokens < 2:
+            raise ValueError("piecewise compilation (mode 3: -O1..-O3) needs max_num_batched_tokens >= 2: a graph "
+                             "traced for 1 token has no token dim to compile ranges over; raise it, or use "
+                             "-cc.mode=2 or -O0")
         if self.dims is None and config.mode != 0:
             logger.warning("%s is not decorated with @compile_dynamic: it runs eagerly", type(model).__name__)
         # debug_guards runs every call through Dynamo on purpose: nothing to start warm.
