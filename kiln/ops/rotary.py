@@ -43,8 +43,11 @@ def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float, scaling:
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     half = rotary_dim // 2
-    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+    x1, x2 = x[..., :half], x[..., half:rotary_dim]
+    rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if rotary_dim < x.shape[-1]:  # partial rotary: the rest passes through (no empty slice to trace)
+        rotated.append(x[..., rotary_dim:])
+    return torch.cat(rotated, dim=-1)
 
 
 def rotary_native(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
