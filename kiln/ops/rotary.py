@@ -41,11 +41,11 @@ def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float, scaling:
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, head_dim: int) -> torch.Tensor:
     half = rotary_dim // 2
     x1, x2 = x[..., :half], x[..., half:rotary_dim]
     rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
-    if rotary_dim < x.shape[-1]:  # partial rotary: the rest passes through (no empty slice to trace)
+    if rotary_dim < head_dim:  # partial rotary: the rest passes through (no empty slice to trace)
         rotated.append(x[..., rotary_dim:])
     return torch.cat(rotated, dim=-1)
 
@@ -56,8 +56,8 @@ def rotary_native(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     cos, sin = cos_sin_cache.index_select(0, positions).to(q.dtype).chunk(2, dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     num_tokens = positions.shape[0]
-    q = _rotate(q.view(num_tokens, -1, head_dim), cos, sin, rotary_dim)
-    k = _rotate(k.view(num_tokens, -1, head_dim), cos, sin, rotary_dim)
+    q = _rotate(q.view(num_tokens, -1, head_dim), cos, sin, rotary_dim, head_dim)
+    k = _rotate(k.view(num_tokens, -1, head_dim), cos, sin, rotary_dim, head_dim)
     return q.flatten(1), k.flatten(1)
 
 
