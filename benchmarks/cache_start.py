@@ -58,7 +58,8 @@ def child(args: argparse.Namespace, config_argv: list[str]) -> None:
     bytecode = bytecode_state()
     import torch
 
-    from kiln.config import EngineConfig, parse_compilation_args
+    from kiln.compile.config import parse_compilation_args
+    from kiln.config import EngineConfig
     from kiln.engine import LLMEngine
 
     _, compilation = parse_compilation_args(config_argv)
@@ -108,7 +109,7 @@ def summary(runs: list[dict]) -> dict:
 
 def main(argv: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
-    from kiln.config import parse_compilation_args
+    from kiln.compile.config import parse_compilation_args
 
     rest, _ = parse_compilation_args(argv)
     config_argv = [a for a in argv if a not in rest]

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.config import DEFAULT_GPU_GRAPHS, CompilationConfig
+from kiln.compile.config import CompilationConfig
+from kiln.config import DEFAULT_GPU_GRAPHS
 from kiln.forward_context import set_forward_context
 
 # name -> (-O level, compilation overrides)
@@ -107,7 +108,7 @@ def check_mode(args, mode, prompts, params, reference) -> dict:
                 max_num_batched_tokens=64, num_kv_blocks=512, block_size=16)
     logits = record_logits(llm)
     tokens = [o.token_ids for o in llm.generate(prompts, params)]
-    graphs = llm.engine.runner.graphs.stats
+    graphs = llm.engine.runner.cudagraphs.stats
     if reference is None:
         entry = {"tokens_equal": True, "max_logit_diff": 0.0, "_reference": (tokens, logits)}
     else:
@@ -225,7 +226,7 @@ def decode(llm: LLM, batch: int, context: int, device: str, iters: int, profile_
     forward_ms = None
     with torch.inference_mode(), set_forward_context(step.attn_metadata, runner.kv_caches):
         def once():
-            hidden = runner.graphs.run(step.graph, step.input_ids, step.positions)
+            hidden = runner.cudagraphs.run(step.cudagraph, step.input_ids, step.positions)
             return runner.model.compute_logits(hidden[step.sample_rows])
         for _ in range(3):
             once()
@@ -246,7 +247,7 @@ def decode(llm: LLM, batch: int, context: int, device: str, iters: int, profile_
         profile = kernel_profile(once, device) if profile_steps else None
     for request_id in ids:
         engine.abort_request(request_id)
-    return {"batch": batch, "graph": f"{step.graph.phase} {step.graph.mode} bucket {step.graph.bucket}",
+    return {"batch": batch, "graph": f"{step.cudagraph.phase} {step.cudagraph.mode} bucket {step.cudagraph.bucket}",
             "forward_ms": forward_ms, "engine_step_ms": step_ms, "tokens_per_s": batch / step_ms * 1e3,
             "profile": profile}
 
@@ -298,8 +299,8 @@ def bench_mode(args, mode, rates, prompts, length) -> dict:
     startup = time.perf_counter() - start
     runner = llm.engine.runner
     entry = {"startup_s": startup, "timeline": llm.engine.timeline.as_dict() if hasattr(
-        llm.engine.timeline, "as_dict") else None, "graphs": dict(runner.graphs.stats),
-             "dispatch": runner.graphs.dispatcher.describe(), "decode": []}
+        llm.engine.timeline, "as_dict") else None, "graphs": dict(runner.cudagraphs.stats),
+             "dispatch": runner.cudagraphs.dispatcher.describe(), "decode": []}
     for b in args.batches:
         try:
             r = decode(llm, b, args.context, args.device, args.iters, args.profile)
@@ -337,15 +338,15 @@ def bench_mode(args, mode, rates, prompts, length) -> dict:
         if "error" not in p:
             print(f"{mode:24s} prefill {prompts}x{length}: {p['tokens_per_s']:.0f} tok/s"
                   + (f", {p['flops_fraction']:.2f} of the matmul rate" if "flops_fraction" in p else ""), flush=True)
-    if mode in args.recapture and runner.graphs.pool is not None and runner.graphs.dispatcher.captures():
+    if mode in args.recapture and runner.cudagraphs.pool is not None and runner.cudagraphs.dispatcher.captures():
         # Capture again in the same process: Triton's and Inductor's kernels are compiled now, as
         # on a restart with warm caches; the difference is kernel compilation during the first.
-        from kiln.engine.forward_graphs import ForwardGraphs
+        from kiln.cudagraph import ForwardCudagraphs
 
-        g = runner.graphs
-        again = ForwardGraphs(g.model, g.compiled, g.dispatcher, g.buffers, g.max_model_len, g.max_num_seqs)
+        g = runner.cudagraphs
+        again = ForwardCudagraphs(g.model, g.compiled, g.dispatcher, g.buffers, g.max_model_len, g.max_num_seqs)
         entry["graphs_recaptured"] = dict(again.capture_all(runner.kv_caches))
-        runner.graphs = again
+        runner.cudagraphs = again
     print(f"{mode:24s} graphs {entry['graphs']} recaptured {entry.get('graphs_recaptured')}", flush=True)
     return entry
 

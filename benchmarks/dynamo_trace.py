@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 
 from kiln.compile import compile_model, layer_stamping  # noqa: E402
-from kiln.config import CompilationConfig  # noqa: E402
+from kiln.compile.config import CompilationConfig  # noqa: E402
 from kiln.models import build_model  # noqa: E402
 from kiln.models.presets import PRESETS  # noqa: E402
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.config import CompilationConfig
+from kiln.compile.config import CompilationConfig
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
            "My favourite food is", "In 1969, astronauts", "Water boils at", "The quick brown fox",

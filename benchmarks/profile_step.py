@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kiln import LLM, SamplingParams
-from kiln.config import CompilationConfig
+from kiln.compile.config import CompilationConfig
 
 MODES = {"eager -O0": dict(level=0), "compiled -O2": dict(level=2),
          "compiled -O2, no size asserts": dict(level=2, size_asserts=False)}

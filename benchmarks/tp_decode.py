@@ -37,7 +37,7 @@ SEQUENCE_PARALLEL = {"passes": ["fuse_add_rms_norm", "sequence_parallel"], "spli
 
 def compilation_for(mode: str, batches: list[int], sp: bool, overrides: dict):
     """The CompilationConfig of a run: -O0 for eager, else -O2 with the batches as exact sizes."""
-    from kiln.config import CompilationConfig, compilation_config_from_dict
+    from kiln.compile.config import CompilationConfig, compilation_config_from_dict
 
     if mode == "eager":
         return CompilationConfig.level(0)

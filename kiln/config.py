@@ -1,14 +1,15 @@
-"""Every user-facing knob, one dataclass per concern; contradictions fail here, at start-up."""
+"""The engine's settings (EngineConfig) and the command-line flags that set them;
+contradictions fail here, at start-up. The compilation settings are kiln.compile.config's."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 import torch
 
-import kiln.distributed  # noqa: F401  registers the sequence_parallel graph pass
-from kiln.compile.passes.graph_pass import check_pass_names, pass_class
-from kiln.ops.custom_op import resolve_custom_ops
+from kiln.compile.config import (CompilationConfig, add_compilation_arguments, compilation_config_from_args,
+                                 compilation_config_from_dict)
 
 # Measured with benchmarks/engine_throughput.py, cudagraphs.py and compile_time.py
 # (benchmarks/results/): on this CPU -O2 gains 1-9% a step for ~15 s of cold compile. On the
@@ -21,6 +22,13 @@ DEFAULT_FORWARD_REASON = ("eager forward by default (compiling does not pay off 
                           "compiles, -O3 compiles everything ahead); on CUDA, decode batches replay "
                           "full CUDA graphs")
 DEFAULT_GPU_GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
+
+# Every op with a kernel path beside its native one (kiln.ops). Each CustomOp subclass lists
+# the names it answers to, and one not declared here fails when its module is imported, so
+# this list and the ops cannot drift apart.
+CUSTOM_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "skinny_linear")
+CUSTOM_OP_BASES = ("all", "none")
+CUSTOM_OPS_EXAMPLE = '["none", "+rms_norm"]'
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -119,307 +127,61 @@ class EngineConfig:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
 
-
-# The compile pipeline (kiln.compile). Modes:
-#   0 none: the model's forward runs eagerly.
-#   1 stock: torch.compile with Dynamo's guards checked on every call (the baseline).
-#   2 once: Dynamo captures once, `backend` compiles the whole graph, later calls skip Dynamo.
-#   3 piecewise: Dynamo captures once, the graph is split at opaque ops and every piece is
-#     compiled per compile range and exact size; later calls skip Dynamo.
-COMPILATION_MODES = (0, 1, 2, 3)
-COMPILATION_LEVELS: dict[int, dict] = {
-    0: {"mode": 0},
-    # capture and split, no code generation
-    1: {"mode": 3, "piece_compiler": "eager", "cudagraph_mode": "PIECEWISE"},
-    2: {"mode": 3, "piece_compiler": "inductor", "strategy": "lazy", "cudagraph_mode": "FULL_AND_PIECEWISE"},
-    # Everything ahead of serving, with static compiles for the smallest decode batches.
-    3: {"mode": 3, "piece_compiler": "inductor", "strategy": "eager", "compile_sizes": [1, 2, 4, 8],
-        "cudagraph_mode": "FULL_AND_PIECEWISE"},
-}
-
-# CUDA graphs. A step is a uniform decode batch (every sequence adds one token) or a mixed
-# one (prefill chunks, maybe with decodes); each phase has its own graph setting. The modes
-# are presets of the two: mode -> (mixed batches, uniform decode batches).
-CUDAGRAPH_MODES = {
-    "NONE": ("none", "none"),
-    "PIECEWISE": ("piecewise", "piecewise"),
-    "FULL": ("full", "full"),
-    "FULL_DECODE_ONLY": ("none", "full"),
-    "FULL_AND_PIECEWISE": ("piecewise", "full"),
-}
-PHASE_GRAPH_MODES = ("full", "piecewise", "breakable", "none")
-PHASE_COMPILERS = ("inductor", "eager")
-
-
-@dataclass(frozen=True)
-class PhaseGraphs:
-    """How one phase (prefill = mixed batches, decode = uniform decode batches) runs.
-
-    mode: full (one graph per bucket, attention inside), piecewise (a graph per compiled
-    piece, attention eager between them), breakable (no compiler: the eager forward's
-    stream capture is cut at each attention call) or none.
-    compiler: inductor (kiln's compiled forward) or eager (the model's own forward).
-    max_batch: largest bucket, in tokens (prefill) or sequences (decode); None: the global
-    max. sizes: explicit buckets. static_compile (decode, full): SGLang's path, a whole
-    forward compiled by Inductor with static shapes per bucket up to static_max_batch;
-    larger decode batches run eagerly.
-    """
-
-    mode: str
-    compiler: str
-    max_batch: int | None = None
-    sizes: tuple[int, ...] = ()
-    static_compile: bool = False
-    static_max_batch: int = 32
-DEFAULT_COMPILATION_LEVEL = 2
-SPLITTING_MODES = ("fx", "inductor_partition", "none")
-
-
-@dataclass
-class CompilationConfig:
-    mode: int = 3
-    backend: str = "inductor"  # mode 2: any torch.compile backend name ("inductor", "eager", "aot_eager")
-    piece_compiler: str = "inductor"  # mode 3: "inductor" | "eager" (pieces run as captured)
-    compile_ranges: list[int] = field(default_factory=list)  # endpoints cutting [1, max_num_batched_tokens]
-    compile_sizes: list[int] = field(default_factory=list)  # token counts that get their own static compile
-    strategy: str = "lazy"  # "eager": compile every range and size at capture | "lazy": on first use
-    splitting_ops: list[str] = field(default_factory=list)  # op names split at, besides @split_op ones
-    dynamic_shapes_mark: str = "backed"  # "backed" (mark_dynamic) | "unbacked" (mark_unbacked)
-    # Keep Dynamo's shape guards, check them on every call (through Dynamo: slower), and fail
-    # on a recompile. With backed marking a 1-token call fails too: Dynamo assumes >= 2 tokens
-    # (kiln runs such calls on the general graph); use unbacked marking to debug decode.
-    debug_guards: bool = False
-    cudagraph_mode: str = "NONE"  # a CUDAGRAPH_MODES preset for both phases
-    cudagraph_capture_sizes: list[int] = field(default_factory=list)  # buckets; []: the default ladder
-    max_cudagraph_capture_size: int | None = None  # None: 2 * max_num_seqs, at most 512
-    # Per-phase overrides of the preset: {"mode", "compiler", "max_batch", "sizes"} (decode
-    # also "static_compile", "static_max_batch"); see PhaseGraphs.
-    cudagraph_prefill: dict = field(default_factory=dict)
-    cudagraph_decode: dict = field(default_factory=dict)
-    cudagraph_debug: bool = False  # check on every replay that inputs sit where they were captured
-    # Where the graph is cut at the split ops (mode 3): "fx" splits the FX graph and compiles
-    # each piece on its own; "inductor_partition" compiles the whole graph (so whole-graph
-    # passes see it) and Inductor partitions it at the same ops; "none" does not cut at all.
-    splitting_mode: str = "fx"
-    # Graph passes run inside Inductor (kiln.compile.passes), in their fixed order, e.g.
-    # ["noop_elimination", "fuse_add_rms_norm", "sequence_parallel", "reinplace"].
-    passes: list[str] = field(default_factory=list)
-    pass_dump_dir: str | None = None  # debug: the graph before and after each pass, under this dir
-    # Processes that compile unique pieces side by side on a cold start (mode 3, Inductor
-    # pieces, compile cache on); None: one per 4 cores, at most 4 (none below 8 cores); 0/1: in-process.
-    compile_workers: int | None = None
-    # Dynamo traces one call of each kind of @repeated_layer and stamps the graph for the
-    # others (torch >= 2.12; kiln.compile.layer_stamping); false: trace every layer.
-    stamp_repeated_layers: bool = True
-
-    _CHOICES = {"backend": None, "piece_compiler": ("inductor", "eager"), "strategy": ("eager", "lazy"),
-                "dynamic_shapes_mark": ("backed", "unbacked"), "splitting_mode": SPLITTING_MODES}
-
-    def __post_init__(self):
-        if isinstance(self.mode, bool) or self.mode not in COMPILATION_MODES:
-            raise ValueError(f"compilation mode must be one of {COMPILATION_MODES} (0 none, 1 stock "
-                             f"torch.compile, 2 Dynamo once + backend, 3 kiln piecewise), got {self.mode!r}")
-        for name, choices in self._CHOICES.items():
-            value = getattr(self, name)
-            if not isinstance(value, str) or (choices and value not in choices):
-                raise ValueError(f"compilation {name} must be one of {', '.join(choices or ['a backend name'])}, "
-                                 f"got {value!r}")
-        for name in ("compile_ranges", "compile_sizes"):
-            values = getattr(self, name)
-            if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
-                raise ValueError(f"compilation {name} must be positive integers, got {values!r}")
-            if list(values) != sorted(set(values)):
-                raise ValueError(f"compilation {name} must be strictly increasing, got {values!r}")
-        if any(not isinstance(op, str) or not op for op in self.splitting_ops):
-            raise ValueError(f"compilation splitting_ops must be op names like 'kiln::attention', "
-                             f"got {self.splitting_ops!r}")
-        workers = self.compile_workers
-        if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
-            raise ValueError(f"compilation compile_workers must be a count >= 0 (0 or 1: compile in-process) or "
-                             f"null (one per 4 cores), got {workers!r}")
-        for name in ("debug_guards", "cudagraph_debug", "stamp_repeated_layers"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"compilation {name} must be true or false, got {getattr(self, name)!r}")
-        self._check_cudagraphs()
-        self._check_passes()
-        if self.mode == 2:
-            import torch._dynamo
-
-            valid = torch._dynamo.list_backends(exclude_tags=())
-            if self.backend not in valid:
-                raise ValueError(f"compilation backend {self.backend!r} is unknown; valid: {', '.join(valid)}")
-
-    def _check_passes(self) -> None:
-        check_pass_names(self.passes)
-        inductor = self.mode == 3 and self.piece_compiler == "inductor"
-        if self.passes and not inductor:
-            raise ValueError(f"compilation passes {self.passes} run inside Inductor's piece compiler; use mode 3 "
-                             f"with piece_compiler 'inductor' (-O2 or -O3)")
-        if self.splitting_mode != "fx" and not inductor:
-            raise ValueError(f"compilation splitting_mode {self.splitting_mode!r} hands the whole graph to "
-                             f"Inductor; use mode 3 with piece_compiler 'inductor' (-O2 or -O3), or "
-                             f"splitting_mode 'fx'")
-        if self.splitting_mode == "none" and self.splitting_ops:
-            raise ValueError(f"compilation splitting_ops {self.splitting_ops} cut nothing with splitting_mode "
-                             f"'none'; drop them, or use splitting_mode 'inductor_partition' to partition there")
-        whole = [name for name in self.passes if pass_class(name).needs_whole_graph]
-        if whole and self.splitting_mode == "fx":
-            raise ValueError(f"the {', '.join(whole)} pass rewrites the graph across the split ops (attention), "
-                             f"so it needs the whole graph, but splitting_mode 'fx' cuts the graph there before "
-                             f"any pass runs. Set -cc.splitting_mode=inductor_partition (Inductor partitions at "
-                             f"the same ops after the passes) or -cc.splitting_mode=none")
-        if self.pass_dump_dir is not None and not isinstance(self.pass_dump_dir, str):
-            raise ValueError(f"compilation pass_dump_dir must be a directory path, got {self.pass_dump_dir!r}")
-
-    def _check_cudagraphs(self) -> None:
-        if self.cudagraph_mode not in CUDAGRAPH_MODES:
-            raise ValueError(f"compilation cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, "
-                             f"got {self.cudagraph_mode!r}")
-        sizes = self.cudagraph_capture_sizes
-        if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in sizes) or list(sizes) != sorted(set(sizes)):
-            raise ValueError(f"compilation cudagraph_capture_sizes must be strictly increasing positive "
-                             f"integers, got {sizes!r}")
-        top = self.max_cudagraph_capture_size
-        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 1):
-            raise ValueError(f"compilation max_cudagraph_capture_size must be a positive integer, got {top!r}")
-        for phase in ("prefill", "decode"):
-            self.phase_graphs(phase)  # a bad override fails here, at start-up
-
-    def phase_graphs(self, phase: str) -> PhaseGraphs:
-        """The graph setting of `phase` ("prefill" or "decode"): the preset, then the overrides."""
-        overrides = getattr(self, f"cudagraph_{phase}")
-        where = f"compilation cudagraph_{phase}"
-        if not isinstance(overrides, dict):
-            raise ValueError(f"{where} must be a JSON object like {{\"mode\": \"full\"}}, got {overrides!r}")
-        valid = ["mode", "compiler", "max_batch", "sizes"] + (["static_compile", "static_max_batch"]
-                                                             if phase == "decode" else [])
-        unknown = sorted(set(overrides) - set(valid))
-        if unknown:
-            raise ValueError(f"{where} has unknown key(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
-        preset = CUDAGRAPH_MODES[self.cudagraph_mode][phase == "decode"]
-        mode = overrides.get("mode", preset)
-        compiler = overrides.get("compiler", "eager" if self.mode == 0 else "inductor")
-        if mode not in PHASE_GRAPH_MODES:
-            raise ValueError(f"{where} mode must be one of {', '.join(PHASE_GRAPH_MODES)}, got {mode!r}")
-        if compiler not in PHASE_COMPILERS:
-            raise ValueError(f"{where} compiler must be one of {', '.join(PHASE_COMPILERS)}, got {compiler!r}")
-        static = overrides.get("static_compile", False)
-        static_max = overrides.get("static_max_batch", 32)
-        max_batch = overrides.get("max_batch")
-        sizes = overrides.get("sizes", [])
-        if not isinstance(static, bool):
-            raise ValueError(f"{where} static_compile must be true or false, got {static!r}")
-        for name, value in (("max_batch", max_batch), ("static_max_batch", static_max)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{where} {name} must be a positive integer, got {value!r}")
-        if (not isinstance(sizes, list) or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in sizes)
-                or sizes != sorted(set(sizes))):
-            raise ValueError(f"{where} sizes must be strictly increasing positive integers, got {sizes!r}")
-        if compiler == "inductor" and self.mode == 0 and not static:
-            raise ValueError(f"{where} compiler 'inductor' needs a compiled forward, but compilation mode "
-                             f"is 0; use -O2 or set the phase's compiler to 'eager'")
-        if mode == "piecewise" and (compiler != "inductor" or self.mode != 3):
-            raise ValueError(f"{where}: piecewise graphs replay the pieces of kiln's split graph, which "
-                             f"needs compilation mode 3 (-O1..-O3) and compiler 'inductor' (got mode "
-                             f"{self.mode}, compiler {compiler!r}); use mode 'breakable' to graph the "
-                             f"eager forward, or 'full'")
-        if mode == "piecewise" and self.splitting_mode != "fx":
-            raise ValueError(f"{where}: piecewise graphs replay the FX-split pieces between attention calls, "
-                             f"but splitting_mode {self.splitting_mode!r} leaves attention inside the compiled "
-                             f"graph, where a piecewise graph would freeze one step's metadata; use "
-                             f"cudagraph_mode FULL or FULL_DECODE_ONLY (full graphs hold static metadata), "
-                             f"or splitting_mode 'fx'")
-        if static and mode != "full":
-            raise ValueError(f"{where}: static_compile captures whole-forward graphs; it needs mode "
-                             f"'full', got {mode!r}")
-        return PhaseGraphs(mode, compiler, max_batch, tuple(sizes), static, static_max)
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """The engine's flags (those of kiln serve, generate, prewarm, inspect) and the compile flags."""
+        p = parser
+        p.add_argument("--model", default=None,
+                       help="'smollm2' (embedded default), a .gguf file, an HF folder, or a random preset")
+        p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        p.add_argument("--dtype", default="auto")
+        p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--max-num-seqs", type=int, default=64)
+        p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--kv-cache-gib", type=float, default=1.0)
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        p.add_argument("--custom-ops", default="", help="e.g. 'none,+rms_norm' (one base: all or none)")
+        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="shard the model over N processes kiln starts itself: one per GPU, or gloo processes on CPU")
+        add_compilation_arguments(p)
 
     @classmethod
-    def level(cls, n: int, **overrides) -> "CompilationConfig":
-        """The -O<n> preset, with `overrides` on top."""
-        if n not in COMPILATION_LEVELS:
-            raise ValueError(f"optimisation level -O{n} is unknown; valid: "
-                             f"{', '.join(f'-O{k}' for k in COMPILATION_LEVELS)}")
-        values = {**COMPILATION_LEVELS[n], **overrides}
-        whole_graph = values.get("mode", 3) != 3 or values.get("splitting_mode", "fx") != "fx"
-        if "cudagraph_mode" not in overrides and whole_graph:
-            # Piecewise graphs need the FX-split graph of mode 3; a whole-graph mode gets whole graphs.
-            values["cudagraph_mode"] = "NONE" if values.get("mode") == 0 else "FULL"
-        return cls(**values)
-
-    @property
-    def uses_inductor(self) -> bool:
-        """Whether Inductor generates the code (then native op paths fuse better than kernels)."""
-        return (self.mode == 1 or (self.mode == 2 and self.backend == "inductor")
-                or (self.mode == 3 and self.piece_compiler == "inductor"))
+    def from_args(cls, args: argparse.Namespace, **overrides) -> "EngineConfig":
+        """The config the flags ask for; `overrides` (e.g. compilation=...) win over them."""
+        values = dict(
+            compilation=compilation_config_from_args(args), model=args.model, device=args.device, dtype=args.dtype,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+            kv_cache_gib=args.kv_cache_gib, gpu_memory_utilization=args.gpu_memory_utilization,
+            custom_ops=[s for s in args.custom_ops.split(",") if s], tensor_parallel_size=args.tensor_parallel_size)
+        return cls(**{**values, **overrides})
 
 
-def _compilation_value(key: str, raw):
-    """A -cc.<key>=<value> string (or a JSON value) converted to the field's type."""
-    if not isinstance(raw, str):
-        return raw
-    import json
+def resolve_custom_ops(spec: list[str] | tuple[str, ...] | str, default_base: str) -> frozenset[str]:
+    """Turn a `custom_ops` list into the set of op names whose kernel path is on.
 
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw
-    kind = CompilationConfig.__dataclass_fields__[key].type
-    if kind.startswith("list") and isinstance(value, (str, int)):
-        items = [s.strip() for s in str(value).split(",") if s.strip()]
-        value = [int(s) if s.lstrip("-").isdigit() else s for s in items] if "int" in kind else items
-    if kind == "bool" and isinstance(value, str) and value.lower() in ("true", "false"):
-        value = value.lower() == "true"
-    return value
-
-
-def compilation_config_from_dict(values: dict, level: int | None = None) -> CompilationConfig:
-    """A CompilationConfig from `values` over the -O`level` preset (the default level if None)."""
-    valid = [f for f in CompilationConfig.__dataclass_fields__ if not f.startswith("_")]
-    unknown = sorted(set(values) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown compilation config key(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
-    typed = {k: _compilation_value(k, v) for k, v in values.items()}
-    return CompilationConfig.level(DEFAULT_COMPILATION_LEVEL if level is None else level, **typed)
-
-
-def parse_compilation_args(argv: list[str]) -> tuple[list[str], CompilationConfig]:
-    """Take -O<n>, -cc.<key>=<value>, --compilation-config '<json>' and --enforce-eager out of argv.
-
-    Keys set explicitly win over the -O preset, whatever their order. --enforce-eager is mode 0
-    and contradicts any explicit request for another mode.
+    The list holds exactly one base, `all` or `none`, plus `+name` / `-name` overrides;
+    an empty list means `[default_base]`.
     """
-    import json
-
-    rest, values, level, eager = [], {}, None, False
-    args = iter(argv)
-    for arg in args:
-        if arg.startswith("-O") and not arg.startswith("--"):
-            text = arg[2:] or next(args, "")
-            if not text.isdigit():
-                raise ValueError(f"-O takes a level, one of {', '.join(f'-O{k}' for k in COMPILATION_LEVELS)}; "
-                                 f"got {arg!r}")
-            level = int(text)
-        elif arg.startswith("-cc."):
-            key, sep, raw = arg[4:].partition("=")
-            if not sep:
-                raise ValueError(f"{arg!r} must look like -cc.<key>=<value>, e.g. -cc.mode=3")
-            values[key] = raw
-        elif arg == "--compilation-config" or arg.startswith("--compilation-config="):
-            text = arg.partition("=")[2] if "=" in arg else next(args, "")
-            try:
-                parsed = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--compilation-config takes a JSON object, got {text!r}: {e}") from None
-            if not isinstance(parsed, dict):
-                raise ValueError(f"--compilation-config takes a JSON object, got {text!r}")
-            values.update(parsed)
-        elif arg == "--enforce-eager":
-            eager = True
-        else:
-            rest.append(arg)
-    if eager:
-        if (level or 0) != 0 or _compilation_value("mode", values.get("mode", 0)) != 0:
-            raise ValueError("--enforce-eager contradicts the requested compilation level or mode; drop one")
-        level = 0
-    return rest, compilation_config_from_dict(values, level)
+    if isinstance(spec, str):
+        spec = [s.strip() for s in spec.split(",") if s.strip()]
+    spec = list(spec) or [default_base]
+    bases = [s for s in spec if s in CUSTOM_OP_BASES]
+    if len(bases) != 1:
+        raise ValueError(
+            f"custom_ops must hold exactly one base ('all' or 'none'), got {len(bases)} in {spec!r}; "
+            f"for example custom_ops={CUSTOM_OPS_EXAMPLE}"
+        )
+    enabled = set(CUSTOM_OPS) if bases[0] == "all" else set()
+    for item in spec:
+        if item in CUSTOM_OP_BASES:
+            continue
+        sign, name = item[:1], item[1:]
+        if sign not in "+-" or not sign or name not in CUSTOM_OPS:
+            raise ValueError(
+                f"custom_ops entry {item!r} is not '+name' or '-name' with a known op "
+                f"({', '.join(sorted(CUSTOM_OPS))}); for example custom_ops={CUSTOM_OPS_EXAMPLE}"
+            )
+        (enabled.add if sign == "+" else enabled.discard)(name)
+    return frozenset(enabled)

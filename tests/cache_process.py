@@ -2,7 +2,7 @@
 
     python tests/cache_process.py ROOT [SIZES] [--preload]
         prints one JSON line: the compile stats, the entry key, and compiled-vs-eager error;
-        --preload: start kiln.compile.preload before the model is built, as the engine does
+        --preload: start kiln.compile.cache.preload before the model is built, as the engine does
 
 Shared by tests/test_cache.py, in-process (start) and as the "second process".
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from kiln.compile.cache import CacheRoot
-from kiln.compile.preload import preload_if_warm
+from kiln.compile.cache.preload import preload_if_warm
 from kiln.config import EngineConfig
 from kiln.engine.runner import compile_cache, compile_forward
 from kiln.engine.timeline import StartupTimeline

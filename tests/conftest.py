@@ -76,7 +76,7 @@ def compiled_tiny_llama(tiny_llama):
     """tiny-llama through kiln's piecewise Inductor pipeline, eager strategy: two compile
     ranges ([1, 8], [9, 64]) and two exact sizes (4, 16), all compiled at the first call."""
     from kiln.compile import compile_model
-    from kiln.config import CompilationConfig
+    from kiln.compile.config import CompilationConfig
 
     config = CompilationConfig(mode=3, piece_compiler="inductor", strategy="eager",
                                compile_ranges=[8], compile_sizes=[4, 16])

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.compile.breakable import SplitCall, capture_breakable
+from kiln.config import resolve_custom_ops
+from kiln.cudagraph.breakable import SplitCall, capture_breakable
 from kiln.forward_context import set_forward_context, warm_up_metadata
 from kiln.models import build_model
 from kiln.models.presets import PRESETS
-from kiln.ops import resolve_custom_ops
 
 SPLIT_OPS = {"kiln::kv_cache_write", "kiln::attention"}
 
@@ -55,7 +55,7 @@ def test_segments_end_at_each_attention_and_split_ops_are_recorded():
 
 
 def test_debug_replay_checks_input_addresses():
-    from kiln.compile.graphs import CapturedGraph, tensor_addresses
+    from kiln.cudagraph.pool import CapturedCudagraph, tensor_addresses
 
     class Replayed:
         count = 0
@@ -64,7 +64,7 @@ def test_debug_replay_checks_input_addresses():
             self.count += 1
 
     static = torch.zeros(4)
-    graph = CapturedGraph(Replayed(), "out", tensor_addresses([static]))
+    graph = CapturedCudagraph(Replayed(), "out", tensor_addresses([static]))
     assert graph.replay(static) == "out" and graph.graph.count == 1
     with pytest.raises(RuntimeError, match="not where they were at capture"):
         graph.replay(torch.zeros(4))

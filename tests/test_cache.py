@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cache_process import MAX_TOKENS, max_error, start, tiny
+
 from kiln.compile import compile_model
 from kiln.compile.cache import CacheRoot, CompileCache, cache_disabled
-from kiln.compile.cache_key import env_factor
-from kiln.compile.preload import Preload, preload_if_warm
-from kiln.config import CompilationConfig
+from kiln.compile.cache.key import env_factor
+from kiln.compile.cache.preload import Preload, preload_if_warm
+from kiln.compile.config import CompilationConfig
 from kiln.tools import cache_cli
 
 HERE = Path(__file__).resolve().parent

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kiln.compile import CaptureError, compile_dynamic, compile_model
+from kiln.compile.config import CompilationConfig
 from kiln.compile.pieces import PieceRunner
-from kiln.config import CompilationConfig
 
 SPLIT_ONLY = CompilationConfig(mode=3, piece_compiler="eager")
 
@@ -174,7 +174,7 @@ def test_warm_up_captures_with_few_tokens_in_mode_3(tiny_llama, mode, first):
 
 
 def test_a_range_is_tuned_for_its_largest_count():
-    from kiln.compile.pieces import TokenShape, size_hint
+    from kiln.compile.shapes import TokenShape, size_hint
 
     assert size_hint(TokenShape(9, 64)) == 64 and size_hint(TokenShape(4, 4)) == 4
 

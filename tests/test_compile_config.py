@@ -2,7 +2,8 @@
 
 import pytest
 
-from kiln.config import COMPILATION_LEVELS, CompilationConfig, compilation_config_from_dict, parse_compilation_args
+from kiln.compile.config import (COMPILATION_LEVELS, CompilationConfig, compilation_config_from_dict,
+                                 parse_compilation_args)
 
 
 def test_defaults_are_level_2():

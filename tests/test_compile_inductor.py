@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kiln.compile import compile_model
-from kiln.compile.pieces import TokenShape
-from kiln.config import CompilationConfig
+from kiln.compile.config import CompilationConfig
+from kiln.compile.shapes import TokenShape
 
 # Two ranges ([1, 8], [9, 64]) and two exact sizes (4, 16), from the fixture's config.
 TOKEN_COUNTS = (1, 3, 4, 8, 9, 16, 17, 40, 64)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.compile import compile_model
-from kiln.config import CompilationConfig
+from kiln.compile.config import CompilationConfig
 
 PROMPTS = [
     "The capital of France is",

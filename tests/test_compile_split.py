@@ -6,8 +6,8 @@ from torch import fx
 
 import kiln.ops  # noqa: F401  registers the ops and their @split_op declarations
 from kiln.compile import compile_model, effective_split_ops
+from kiln.compile.config import CompilationConfig
 from kiln.compile.split import check_split_ops, is_split_node, op_name, subgraph_ids
-from kiln.config import CompilationConfig
 
 
 def test_split_ops_come_from_decorators_and_config_with_their_source():

@@ -9,7 +9,7 @@ import torch
 from kiln.compile import compile_model
 from kiln.compile.cache import CacheRoot, CompileCache
 from kiln.compile.compile_workers import PieceResult
-from kiln.config import CompilationConfig
+from kiln.compile.config import CompilationConfig
 
 # One range [1, 64] and one exact size: 2 shapes x 3 unique pieces of the 2-layer toy.
 CONFIG = dict(mode=3, piece_compiler="inductor", strategy="lazy", compile_sizes=[4])
@@ -85,3 +85,13 @@ def test_a_failed_worker_compile_is_compiled_in_process(tiny_llama, tmp_path, ca
 def test_compile_workers_must_be_a_count(bad):
     with pytest.raises(ValueError, match="compile_workers must be a count"):
         CompilationConfig(mode=3, compile_workers=bad)
+
+
+def test_a_worker_is_told_where_the_ops_of_its_piece_are_defined():
+    import kiln.ops  # noqa: F401  registers torch.ops.kiln.*
+    from kiln.compile.compile_workers import op_modules
+
+    def piece(x, w):  # the overload and the packet, as Dynamo may record either
+        return torch.ops.kiln.rms_norm.default(x, w, 1e-5) + torch.ops.kiln.silu_and_mul(x) + x.sin()
+
+    assert op_modules(torch.fx.symbolic_trace(piece)) == ["kiln.ops.activation", "kiln.ops.norm"]

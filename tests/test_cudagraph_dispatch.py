@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.compile.graph_plan import BucketTable, GraphDispatcher, capture_ladder
-from kiln.compile.graphs import weak_view
-from kiln.config import CompilationConfig, compilation_config_from_dict, parse_compilation_args
-from kiln.engine.step_buffers import PackedStep, StepBuffers
+from kiln.compile.config import CompilationConfig, compilation_config_from_dict, parse_compilation_args
+from kiln.cudagraph.dispatcher import CudagraphDispatcher
+from kiln.cudagraph.ladder import BucketTable, capture_ladder
+from kiln.cudagraph.pool import weak_view
+from kiln.cudagraph.step_buffers import PackedStep, StepBuffers
 
 
 def test_default_ladder():
@@ -36,7 +37,7 @@ def test_bucket_table_pads_to_the_next_bucket():
 
 def dispatcher(mode: str, level: int = 2, max_num_seqs: int = 64, max_tokens: int = 2048, **extra):
     config = CompilationConfig.level(level, cudagraph_mode=mode, **extra)
-    return GraphDispatcher.from_config(config, max_num_seqs, max_tokens, enabled=True)
+    return CudagraphDispatcher.from_config(config, max_num_seqs, max_tokens, enabled=True)
 
 
 @pytest.mark.parametrize("mode, decode, mixed", [
@@ -89,7 +90,7 @@ def test_static_compile_decode_runs_eagerly_above_its_max():
 
 def test_cpu_dispatcher_passes_through():
     config = CompilationConfig.level(2)
-    d = GraphDispatcher.from_config(config, 64, 2048, enabled=False)
+    d = CudagraphDispatcher.from_config(config, 64, 2048, enabled=False)
     assert d.choose(3, True).mode == "none" and d.captures() == []
     assert "off" in d.describe()
 
@@ -158,8 +159,8 @@ def test_padded_steps_give_the_same_tokens():
     kw = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=24, num_kv_blocks=128, block_size=4, max_model_len=256)
     plain = [o.token_ids for o in LLM("tiny-llama", **kw).generate(prompts, params)]
     llm = LLM("tiny-llama", compilation=CompilationConfig.level(0, cudagraph_mode="FULL", max_cudagraph_capture_size=24), **kw)
-    graphs = llm.engine.runner.graphs
-    graphs.dispatcher = GraphDispatcher.from_config(llm.engine.config.compilation_config, 4, 24, enabled=True)
+    graphs = llm.engine.runner.cudagraphs
+    graphs.dispatcher = CudagraphDispatcher.from_config(llm.engine.config.compilation_config, 4, 24, enabled=True)
     seen = []  # (real tokens, choice) per step
     pack = graphs.pack
 

@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kiln.config import CompilationConfig, EngineConfig
+from kiln.compile.config import CompilationConfig
+from kiln.config import EngineConfig
 from kiln.tools.inspect_cmd import inspect_model, render
 
 HERE = Path(__file__).resolve().parent

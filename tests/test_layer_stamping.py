@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kiln.compile import CaptureError, compile_dynamic, compile_model, layer_stamping, repeated_layer
-from kiln.config import CompilationConfig
+from kiln.compile.config import CompilationConfig
 
 needs_stamping = pytest.mark.skipif(not layer_stamping.supported(),
                                     reason="torch has no nested_compile_region(reuse_hash_fn=...) (< 2.12)")

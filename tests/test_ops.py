@@ -4,10 +4,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kiln.config import resolve_custom_ops
 from kiln.forward_context import set_forward_context
 from kiln.models import build_model
 from kiln.models.presets import PRESETS
-from kiln.ops import known_ops, resolve_custom_ops
+from kiln.ops import known_ops
 from kiln.ops.rotary import rope_inv_freq
 
 

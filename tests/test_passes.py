@@ -10,19 +10,19 @@ import sys
 
 import pytest
 import torch
+from pass_probes import COPY_PROBES, seen
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from kiln.compile import compile_dynamic, compile_model
 from kiln.compile.cache import CompileCache
+from kiln.compile.config import CompilationConfig
 from kiln.compile.passes.fx_edit import is_op
 from kiln.compile.passes.graph_pass import GraphPass
 from kiln.compile.passes.manager import PassManager
 from kiln.compile.passes.noop_elimination import NoOpElimination
 from kiln.compile.passes.target import compiling
-from kiln.compile.pieces import TokenShape
-from kiln.config import CompilationConfig
-from pass_probes import COPY_PROBES, seen
+from kiln.compile.shapes import TokenShape
 
 aten, prims = torch.ops.aten, torch.ops.prims
 

@@ -4,11 +4,11 @@ One Inductor compile (one range) serves every test here."""
 
 import pytest
 import torch
+from pass_probes import COPY_PROBES, FusedNorms, seen
 
 from kiln.compile import compile_model
-from kiln.config import CompilationConfig
+from kiln.compile.config import CompilationConfig
 from kiln.forward_context import set_forward_context
-from pass_probes import COPY_PROBES, FusedNorms, seen
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,17 @@ import tempfile
 
 import pytest
 import torch
+from pass_probes import Collectives, seen
 
 from kiln.compile import compile_model
-from kiln.compile.pieces import TokenShape
-from kiln.config import CompilationConfig, parse_compilation_args
+from kiln.compile.config import CompilationConfig, parse_compilation_args
+from kiln.compile.passes.sequence_parallel import SequenceParallel
+from kiln.compile.shapes import TokenShape
 from kiln.distributed import building_for, destroy_tensor_parallel
 from kiln.distributed.launcher import Workers, join_as_rank0
-from kiln.distributed.sequence_parallel import SequenceParallel
 from kiln.forward_context import set_forward_context
 from kiln.models import build_model
 from kiln.models.presets import PRESETS
-from pass_probes import Collectives, seen
 
 SP = ["fuse_add_rms_norm", "sequence_parallel", Collectives.name]
 TOKENS = torch.tensor([1, 15, 300, 7, 42, 99, 3, 250])

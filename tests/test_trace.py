@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cache_process import MAX_TOKENS
 from torch._logging._internal import trace_log
 
-from cache_process import MAX_TOKENS
 from kiln.compile import compile_model, trace
-from kiln.config import CompilationConfig
+from kiln.compile.config import CompilationConfig
 from kiln.forward_context import set_forward_context
 
 HERE = Path(__file__).resolve().parent

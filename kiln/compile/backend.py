@@ -16,28 +16,26 @@ start rebuilds the same runnable graph from disk without Dynamo.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from kiln.compile import trace
-from kiln.compile.cache_key import traced_sources
-from kiln.compile.compile_workers import CompileWorkers
+from kiln.compile.cache.key import traced_sources
+from kiln.compile.cache.model_cache import ModelCache
 from kiln.compile.capture import token_symbols
-from kiln.compile.dispatch import CallSpec
-from kiln.compile.graphs import PiecewiseGraphs
+from kiln.compile.compile_workers import CompileWorkers
+from kiln.compile.config import CompilationConfig
+from kiln.compile.direct_call import CallSpec
+from kiln.compile.inductor_piece import PieceInput
 from kiln.compile.monitor import CompileMonitor, logger
 from kiln.compile.passes.manager import PassManager
-from kiln.compile.pieces import (PieceInput, PieceRunner, PieceSet, ShapePlan, TokenShape, UniquePiece,
-                                 structural_hash, token_locator)
+from kiln.compile.pieces import PieceRunner, PieceSet, UniquePiece, structural_hash, token_locator
+from kiln.compile.shapes import ShapePlan, TokenShape
 from kiln.compile.split import split_graph
-
-if TYPE_CHECKING:  # kiln.config imports kiln.ops, whose attention imports kiln.compile
-    from kiln.compile.cache import ModelCache
-    from kiln.config import CompilationConfig
 
 
 @dataclass
@@ -64,15 +62,15 @@ class SplitProgram:
         return "\n\n".join(parts)
 
 
-def runnable(program: SplitProgram, pieces: PieceSet, graphs: PiecewiseGraphs | None = None) -> fx.GraphModule:
-    """A copy of the split graph whose piece slots run `pieces` (through CUDA graphs, when
-    `graphs` is given and active)."""
+def runnable(program: SplitProgram, pieces: PieceSet,
+             wrap: Callable[[Callable], Callable] | None = None) -> fx.GraphModule:
+    """A copy of the split graph whose piece slots run `pieces` (each through `wrap`, if given)."""
     module = fx.GraphModule(program.graph, program.graph.graph, class_name="SplitGraph")
     for name, slot in program.slots.items():
         # The split graph calls self.<name>(...): a plain attribute answers it.
         del module._modules[name]
         runner = PieceRunner(pieces, *slot)
-        module.__dict__[name] = graphs.wrap(runner) if graphs is not None else runner
+        module.__dict__[name] = wrap(runner) if wrap is not None else runner
     return module
 
 

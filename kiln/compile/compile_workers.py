@@ -14,6 +14,7 @@ and kiln's ops) overlaps Dynamo's trace in the parent.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import multiprocessing
 import os
 import pickle
@@ -40,6 +41,7 @@ class PieceJob:
     index: int
     shape: object  # TokenShape
     graph: bytes  # the pickled piece graph (fx.GraphModule)
+    op_modules: list[str]  # where the custom ops it calls are defined: imported before unpickling
     inputs: list  # PieceInput
     entry: object  # the CacheEntry whose Inductor dir receives the built files
     inductor_config: dict
@@ -99,8 +101,7 @@ def _warm_up() -> float:
     import torch._inductor.compile_fx  # noqa: F401
     import torch._inductor.select_algorithm  # noqa: F401
 
-    import kiln.compile.pieces  # noqa: F401
-    import kiln.ops  # noqa: F401  (registers the torch.ops.kiln.* ops the pieces call)
+    import kiln.compile.inductor_piece  # noqa: F401
 
     if torch.cuda.is_available():
         torch.cuda.init()
@@ -128,15 +129,35 @@ def _compile_a_toy(device: str) -> None:
         pass
 
 
+def op_modules(graph) -> list[str]:
+    """The Python modules that define the custom ops (torch.library.custom_op) `graph` calls:
+    a worker imports them, so that unpickling the graph finds the ops registered."""
+    from torch._library.custom_ops import OPDEFS
+
+    found = set()
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        # An overload knows its schema; Dynamo may record the packet, which knows its name.
+        schema = getattr(node.target, "_schema", None)
+        name = schema.name if schema is not None else getattr(node.target, "_qualified_op_name", None)
+        opdef = OPDEFS.get(name) if name is not None else None
+        if opdef is not None:
+            found.add(opdef._init_fn.__module__)
+    return sorted(found)
+
+
 def _compile(job: PieceJob) -> PieceResult:
     import torch._inductor.config
     from torch._dynamo.utils import counters
 
-    from kiln.compile.pieces import compile_piece, specialise
+    from kiln.compile.inductor_piece import compile_piece, specialise
 
     start = time.perf_counter()
     hits = counters["inductor"]["fxgraph_cache_hit"]
     try:
+        for name in job.op_modules:
+            importlib.import_module(name)
         graph = pickle.loads(job.graph)
         mode, inputs = specialise(job.inputs, job.shape)
         with job.entry.compiler_dirs(), torch._inductor.config.patch(job.inductor_config):

@@ -3,7 +3,7 @@
 In piecewise mode (3) the first call either starts warm from the compile cache (the split
 graph and every piece artifact loaded from disk: no Dynamo, no Inductor) or captures with
 Dynamo and compiles, filling the cache. Either way later calls go straight to the split
-graph through a GraphCall (see dispatch), not through Dynamo's bytecode.
+graph through a DirectCall (see direct_call), not through Dynamo's bytecode.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import contextlib
 import inspect
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,17 +19,14 @@ from torch import nn
 from kiln.compile import layer_stamping, trace
 from kiln.compile.backend import PiecewiseBackend, compile_ahead, runnable
 from kiln.compile.cache import CompileCache, ModelCache
-from kiln.compile.cache_key import compiler_factor, digest, env_factor, source_name
+from kiln.compile.cache.key import compiler_factor, digest, env_factor, source_name
 from kiln.compile.capture import Capture, checked_backend
 from kiln.compile.compile_workers import CompileWorkers, auto_worker_count
-from kiln.compile.dispatch import GraphCall, call_spec
-from kiln.compile.graphs import PiecewiseGraphs
+from kiln.compile.config import CompilationConfig
+from kiln.compile.direct_call import DirectCall, call_spec
 from kiln.compile.monitor import CompileMonitor, logger
 from kiln.compile.opt_in import dynamic_arg_dims
 from kiln.compile.split import SplitOp, check_split_ops, effective_split_ops
-
-if TYPE_CHECKING:  # kiln.config imports kiln.ops, whose attention imports kiln.compile
-    from kiln.config import CompilationConfig
 
 _MODE_NAMES = {0: "eager", 1: "stock torch.compile", 2: "Dynamo once + backend", 3: "kiln piecewise"}
 
@@ -62,13 +58,13 @@ class CompiledModel:
         self.cache = cache if self.mode == 3 and not config.debug_guards else None
         self.model_cache: ModelCache | None = None
         self.backend: PiecewiseBackend | None = None
-        self.dispatch: GraphCall | None = None  # mode 3, once captured or loaded
-        self.piece_graphs = PiecewiseGraphs()  # CUDA graphs of the pieces, once captured
+        self.dispatch: DirectCall | None = None  # mode 3, once captured or loaded
+        self.piece_wrapper: Callable[[Callable], Callable] | None = None  # see wrap_pieces
         self.capture: Capture | None = None if self.mode == 0 else self._capture(self.dims)
         logger.info("model forward: %s", self.describe())
 
     def _join_preload(self, cache: CompileCache | None) -> float:
-        """Wait for the engine's preload thread (kiln.compile.preload), if it started one: here,
+        """Wait for the engine's preload thread (kiln.compile.cache.preload), if it started one: here,
         before this constructor imports Dynamo and Inductor, as two threads importing the same
         circular modules can deadlock. The seconds waited join the warm start's time."""
         preload = cache.preload if cache is not None else None
@@ -149,8 +145,7 @@ class CompiledModel:
             with phase("ahead"):
                 compile_ahead(pieces, plan, self.config.strategy, first=None)
         with phase("dispatch"):
-            self.dispatch = GraphCall(runnable(program, pieces, self.piece_graphs), program.call, self.model,
-                                      self.capture.signature)
+            self._direct_call()
         for name, seconds in entry.timings.items():  # the finer parts the entry measured
             self.monitor.warm_phase_add(name, seconds)
         self.monitor.warm_start_done(entry.key, time.perf_counter() - start)
@@ -190,11 +185,24 @@ class CompiledModel:
         backend.capture_inputs, backend.recorder.outputs = None, ()  # hold no tensors of the first call
         backend.program.call = spec
         if spec is not None:
-            module = runnable(backend.program, backend.pieces, self.piece_graphs)
-            self.dispatch = GraphCall(module, spec, self.model, signature)
+            self._direct_call()
         entry = self.model_cache.entry if self.model_cache is not None else None
         if entry is not None:
             entry.save_program(backend.program, backend.program.readable())
+
+    def _direct_call(self) -> None:
+        """Later calls go straight to the split graph, each piece through the wrapper if one is set."""
+        program = self.backend.program
+        module = runnable(program, self.backend.pieces, self.piece_wrapper)
+        self.dispatch = DirectCall(module, program.call, self.model, self.capture.signature)
+
+    def wrap_pieces(self, wrapper: Callable[[Callable], Callable] | None) -> None:
+        """Route every call of a compiled piece through `wrapper(piece)` (a CUDA graph per
+        bucket, say): the hook for what runs around the pieces, which this package knows
+        nothing about. Takes effect now if the forward is ready, else once it is."""
+        self.piece_wrapper = wrapper
+        if self.dispatch is not None:
+            self._direct_call()
 
     def _model_cache(self) -> ModelCache:
         first = next(iter(self.model.parameters()), None)

@@ -50,7 +50,7 @@ class CompileTimes:
 
 
 # The parts of a warm start, in order (see CompiledModel._warm_start); they sum to its total
-# but for the lock and bookkeeping between them. "background.*" are kiln.compile.preload's
+# but for the lock and bookkeeping between them. "background.*" are kiln.compile.cache.preload's
 # steps, which ran on its thread while the weights loaded: not part of the sum.
 WARM_PHASES = ("preload_wait", "key", "open", "program", "split", "pieces", "ahead", "dispatch", "background")
 

@@ -1,8 +1,5 @@
-"""Compiled pieces: one artifact per unique piece and token shape, picked per call.
-
-A token shape is a compile range [lo, hi] (the ranges partition [1, max_num_batched_tokens])
-or an exact compile size n. A call with n tokens takes the exact size if there is one,
-else the range that contains n.
+"""Compiled pieces: one artifact per unique piece and token shape (kiln.compile.shapes),
+picked per call.
 
 Pieces with the same structure (the 30 middle layers of SmolLM2) share their artifacts:
 every weight is an input of the piece, so one compiled function serves them all.
@@ -10,7 +7,6 @@ every weight is an input of the piece, so one compiled function serves them all.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import hashlib
 import os
@@ -20,87 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import sympy
 import torch
 from torch import fx
-from torch._dynamo.source import ConstantSource
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from kiln.compile import trace
-from kiln.compile.compile_workers import CompileWorkers, PieceJob
+from kiln.compile.compile_workers import CompileWorkers, PieceJob, op_modules
+from kiln.compile.inductor_piece import TOKENS, PieceInput, compile_piece, specialise
 from kiln.compile.monitor import CompileMonitor, logger
 from kiln.compile.passes.target import compiling
-
-
-@dataclass(frozen=True)
-class TokenShape:
-    lo: int
-    hi: int
-
-    @property
-    def is_size(self) -> bool:
-        return self.lo == self.hi
-
-    def __str__(self) -> str:
-        return f"size {self.lo}" if self.is_size else f"range [{self.lo}, {self.hi}]"
-
-
-class ShapePlan:
-    """The compile ranges and sizes for token counts in [1, max_tokens]."""
-
-    def __init__(self, range_ends: list[int], sizes: list[int], max_tokens: int):
-        self.ends = [e for e in range_ends if e < max_tokens] + [max_tokens]
-        starts = [1] + [e + 1 for e in self.ends[:-1]]
-        self.ranges = [TokenShape(lo, hi) for lo, hi in zip(starts, self.ends)]
-        self.sizes = {n: TokenShape(n, n) for n in sizes if n <= max_tokens}
-        self.max_tokens = max_tokens
-
-    def shape_for(self, num_tokens: int) -> TokenShape:
-        exact = self.sizes.get(num_tokens)
-        if exact is not None:
-            return exact
-        if not 1 <= num_tokens <= self.max_tokens:
-            raise ValueError(f"{num_tokens} tokens is outside [1, {self.max_tokens}] "
-                             f"(max_num_batched_tokens) that the model was compiled for")
-        return self.ranges[bisect.bisect_left(self.ends, num_tokens)]
-
-    def all_shapes(self) -> list[TokenShape]:
-        return self.ranges + list(self.sizes.values())
-
-
-TOKENS = sympy.Symbol("T", integer=True, positive=True)  # the token count in a PieceInput
-
-
-@dataclass(frozen=True)
-class PieceInput:
-    """One input of a piece, with sizes in terms of the token count T: what the piece is
-    compiled for. It pickles, so a cache entry can compile a piece again without Dynamo."""
-
-    kind: str  # "tensor", "symint" (the token count itself, or an expression of it) or "value"
-    dtype: torch.dtype | None = None
-    device: torch.device | None = None
-    sizes: tuple[sympy.Expr, ...] = ()  # for "symint": one expression
-    strides: tuple[sympy.Expr, ...] = ()
-    value: object = None  # for "value": a constant the graph passes along
-
-    @classmethod
-    def of(cls, x, tokens: frozenset[sympy.Symbol]) -> "PieceInput":
-        def exprs(seq):
-            return tuple(_expr(d).xreplace(dict.fromkeys(tokens, TOKENS)) for d in seq)
-
-        if isinstance(x, torch.Tensor):
-            return cls("tensor", x.dtype, x.device, exprs(x.shape), exprs(x.stride()))
-        if isinstance(x, torch.SymInt):
-            return cls("symint", sizes=exprs([x]))
-        return cls("value", value=x)
-
-    def __str__(self) -> str:
-        if self.kind == "tensor":
-            return f"tensor {self.dtype} {self.device} {list(self.sizes)} {list(self.strides)}"
-        if self.kind == "symint":
-            return f"symint {list(self.sizes)}"
-        return f"{type(self.value).__name__} {self.value!r}"
+from kiln.compile.shapes import ShapePlan, TokenShape, size_hint
 
 
 def structural_hash(gm: fx.GraphModule, inputs: list[PieceInput]) -> str:
@@ -120,71 +44,6 @@ def structural_hash(gm: fx.GraphModule, inputs: list[PieceInput]) -> str:
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: names[n])
         lines.append(f"{node.op} {target} {args!r} {what}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
-
-
-def _expr(value) -> sympy.Expr:
-    return value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value)
-
-
-def size_hint(shape: TokenShape) -> int:
-    """The token count Inductor tunes a shape for: a range's largest, the batches where speed
-    matters most, whatever count the capture call had."""
-    return shape.hi
-
-
-def specialise(inputs: list[PieceInput], shape: TokenShape) -> tuple[FakeTensorMode, list]:
-    """Fake inputs for compiling a piece for `shape`: T becomes the size, or a fresh symbol
-    bounded to the range, in a shape env of the piece's own."""
-    env = ShapeEnv()
-    mode = FakeTensorMode(shape_env=env)
-    hint = size_hint(shape)
-    if shape.is_size:
-        new = sympy.Integer(shape.lo)
-    else:
-        new = env.create_symbol(hint, ConstantSource("num_tokens"), dynamic_dim=DimDynamic.DYNAMIC)
-        env.constrain_symbol_range(new, shape.lo, shape.hi)
-
-    def value(expr):
-        expr = expr.xreplace({TOKENS: new})
-        if expr.is_number:
-            return int(expr)
-        return env.create_symintnode(expr, hint=int(expr.xreplace({new: hint})))
-
-    fakes = []
-    with mode:
-        for x in inputs:
-            if x.kind == "tensor":
-                fakes.append(torch.empty_strided([value(d) for d in x.sizes], [value(d) for d in x.strides],
-                                                 dtype=x.dtype, device=x.device))
-            elif x.kind == "symint":
-                fakes.append(value(x.sizes[0]))
-            else:
-                fakes.append(x.value)
-    return mode, fakes
-
-
-def compile_piece(gm: fx.GraphModule, mode: FakeTensorMode, inputs: list) -> Callable:
-    # standalone_compile: its artifact can be saved to the compile cache and loaded back.
-    restore_example_values(gm, mode, inputs)
-    with torch._guards.tracing(torch._guards.TracingContext(mode)):
-        return torch._inductor.standalone_compile(gm, inputs, dynamic_shapes="from_tracing_context")
-
-
-def restore_example_values(gm: fx.GraphModule, mode: FakeTensorMode, inputs: list) -> None:
-    """AOTAutograd saves an artifact only for graphs whose nodes carry Dynamo's example
-    values; a piece read back from the compile cache lost them in pickling. Fake propagation
-    puts them back (without them the rebuilt artifact could not be saved)."""
-    if all("example_value" in n.meta for n in gm.graph.nodes if n.op != "output"):
-        return
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, node):
-            value = super().run_node(node)
-            node.meta["example_value"] = value
-            return value
-
-    with mode:
-        Recorder(gm).run(*inputs)
 
 
 @dataclass
@@ -268,7 +127,7 @@ class PieceSet:
         for shape, i in todo:
             piece = self.uniques[i]
             out = store.path / f"{store.artifact(i, shape)}.{os.getpid()}.worker.tmp"
-            jobs.append(PieceJob(i, shape, pickle.dumps(piece.graph), piece.inputs, store,
+            jobs.append(PieceJob(i, shape, pickle.dumps(piece.graph), op_modules(piece.graph), piece.inputs, store,
                                  self.inductor_config, str(out)))
         logger.info("compiling %d pieces in %d worker processes", len(jobs), self.workers.count)
         for job, result in self.workers.compile(jobs):

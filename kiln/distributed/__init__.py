@@ -1,7 +1,6 @@
 """Tensor parallelism: collective ops, the process groups behind them, and the launcher."""
 
 from kiln.distributed import collectives  # noqa: F401  registers torch.ops.kiln.all_reduce & co.
-from kiln.distributed import sequence_parallel  # noqa: F401  registers the sequence_parallel graph pass
 from kiln.distributed.parallel_state import (
     TensorParallelState,
     building_for,

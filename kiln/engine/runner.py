@@ -10,14 +10,12 @@ import torch
 
 from kiln.compile import CompiledModel, compile_model
 from kiln.compile.cache import CompileCache
-from kiln.compile.graph_plan import GraphChoice, GraphDispatcher
-from kiln.compile.preload import preload_if_warm
+from kiln.compile.cache.preload import preload_if_warm
 from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
-from kiln.engine.forward_graphs import ForwardGraphs
+from kiln.cudagraph import CudagraphChoice, CudagraphDispatcher, ForwardCudagraphs, PackedStep, StepBuffers
 from kiln.engine.sampler import sample
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
-from kiln.engine.step_buffers import PackedStep, StepBuffers
 from kiln.engine.timeline import StartupTimeline
 from kiln.forward_context import AttentionMetadata, set_forward_context, warm_up_metadata
 from kiln.loader import ModelSource
@@ -33,7 +31,7 @@ class StepInputs:
     input_ids: torch.Tensor  # padded to the chosen graph's bucket
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
-    graph: GraphChoice  # which CUDA graph (or none) runs the forward
+    cudagraph: CudagraphChoice  # which CUDA graph (or none) runs the forward
     sample_rows: list[int]  # rows of the hidden states whose logits pick a token
     sample_seqs: list[Sequence]  # the sequences those rows belong to
 
@@ -99,17 +97,17 @@ class ModelRunner:
                     self.num_blocks * self.bytes_per_block / 2**30)
         model_len = source.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
-        self.graphs = ForwardGraphs(
+        self.cudagraphs = ForwardCudagraphs(
             self.model, self.compiled,
-            GraphDispatcher.from_config(config.compilation_config, config.max_num_seqs,
+            CudagraphDispatcher.from_config(config.compilation_config, config.max_num_seqs,
                                         config.max_num_batched_tokens, enabled=self.device.type == "cuda"),
             StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                         -(-self.max_model_len // self.block_size), self.device),
             self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug)
-        logger.info("%s", self.graphs.dispatcher.describe())
-        if self.graphs.dispatcher.captures():
+        logger.info("%s", self.cudagraphs.dispatcher.describe())
+        if self.cudagraphs.dispatcher.captures():
             with timeline.phase("cudagraphs"):
-                self.graphs.capture_all(self.kv_caches)
+                self.cudagraphs.capture_all(self.kv_caches)
 
     @property
     def bytes_per_block(self) -> int:
@@ -172,7 +170,7 @@ class ModelRunner:
                 sample_rows.append(step.query_start_loc[-1] - 1)
                 sample_seqs.append(seq)
         uniform_decode = all(n == 1 for n in batch.num_new_tokens)
-        choice, (input_ids, positions, meta) = self.graphs.pack(step, uniform_decode)
+        choice, (input_ids, positions, meta) = self.cudagraphs.pack(step, uniform_decode)
         return StepInputs(input_ids, positions, meta, choice, sample_rows, sample_seqs)
 
     @torch.inference_mode()
@@ -180,7 +178,7 @@ class ModelRunner:
         """Run one step; returns (sequence, next token) for each sequence that caught up."""
         step = self.prepare(batch)
         with set_forward_context(step.attn_metadata, self.kv_caches):
-            hidden = self.graphs.run(step.graph, step.input_ids, step.positions)
+            hidden = self.cudagraphs.run(step.cudagraph, step.input_ids, step.positions)
         if not step.sample_seqs:
             return []
         logits = self.model.compute_logits(hidden[step.sample_rows])

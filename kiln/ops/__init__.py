@@ -2,11 +2,10 @@
 
 from kiln.ops.activation import SiluAndMul
 from kiln.ops.attention import Attention
-from kiln.ops.custom_op import enabled_custom_ops, known_ops, resolve_custom_ops
+from kiln.ops.custom_op import enabled_custom_ops, known_ops
 from kiln.ops.linear import SkinnyLinear
-from kiln.ops import norm_fusion  # noqa: F401  registers the fuse_add_rms_norm graph pass
 from kiln.ops.norm import RMSNorm
 from kiln.ops.rotary import RotaryEmbedding
 
 __all__ = ["Attention", "RMSNorm", "RotaryEmbedding", "SiluAndMul", "SkinnyLinear", "enabled_custom_ops",
-           "known_ops", "resolve_custom_ops"]
+           "known_ops"]

@@ -13,12 +13,10 @@ from typing import ClassVar
 
 from torch import nn
 
+from kiln.config import CUSTOM_OPS
+
 _KNOWN: set[str] = set()
 _enabled: frozenset[str] | None = None
-
-BASES = ("all", "none")
-EXAMPLE = '["none", "+rms_norm"]'
-
 
 def known_ops() -> list[str]:
     return sorted(_KNOWN)
@@ -27,35 +25,6 @@ def known_ops() -> list[str]:
 def is_enabled(name: str) -> bool:
     """Whether a layer built now takes the kernel path of op `name`."""
     return _enabled is not None and name in _enabled
-
-
-def resolve_custom_ops(spec: list[str] | tuple[str, ...] | str, default_base: str) -> frozenset[str]:
-    """Turn a `custom_ops` list into the set of op names whose kernel path is on.
-
-    The list holds exactly one base, `all` or `none`, plus `+name` / `-name` overrides;
-    an empty list means `[default_base]`.
-    """
-    if isinstance(spec, str):
-        spec = [s.strip() for s in spec.split(",") if s.strip()]
-    spec = list(spec) or [default_base]
-    bases = [s for s in spec if s in BASES]
-    if len(bases) != 1:
-        raise ValueError(
-            f"custom_ops must hold exactly one base ('all' or 'none'), got {len(bases)} in {spec!r}; "
-            f"for example custom_ops={EXAMPLE}"
-        )
-    enabled = set(_KNOWN) if bases[0] == "all" else set()
-    for item in spec:
-        if item in BASES:
-            continue
-        sign, name = item[:1], item[1:]
-        if sign not in "+-" or not sign or name not in _KNOWN:
-            raise ValueError(
-                f"custom_ops entry {item!r} is not '+name' or '-name' with a known op "
-                f"({', '.join(known_ops())}); for example custom_ops={EXAMPLE}"
-            )
-        (enabled.add if sign == "+" else enabled.discard)(name)
-    return frozenset(enabled)
 
 
 @contextlib.contextmanager
@@ -77,7 +46,12 @@ class CustomOp(nn.Module):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        _KNOWN.update(cls.__dict__.get("op_names", ()))
+        names = cls.__dict__.get("op_names", ())
+        undeclared = sorted(set(names) - set(CUSTOM_OPS))
+        if undeclared:
+            raise TypeError(f"{cls.__qualname__} lists op(s) {', '.join(undeclared)} that kiln.config.CUSTOM_OPS "
+                            f"does not declare; add them there, so custom_ops can switch them")
+        _KNOWN.update(names)
 
     def __init__(self):
         super().__init__()

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kiln.config import CompilationConfig
+from kiln.compile.config import CompilationConfig
 from kiln.models.config import ModelArchConfig
 from kiln.tools.traffic import decode_weight_bytes
 
@@ -390,3 +390,39 @@ def plot(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def register(commands) -> None:
+    p = commands.add_parser("bench", help="decode step time: eager, stock torch.compile and kiln modes side by side")
+    p.add_argument("--model", default=None, help="default: smollm2 on CPU, llama-3-8b (random bf16) on CUDA")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 8 32 (CPU), 1 8 64 256 (CUDA)")
+    p.add_argument("--context", type=int, default=None, help="prompt tokens per sequence (default 128)")
+    p.add_argument("--steps", type=int, default=None, help="timed decode steps per batch size")
+    p.add_argument("--modes", nargs="+", default=None, help="of eager stock once O2 O3 (default: all)")
+    p.add_argument("--out", default=".", help="folder for bench_<model>_<device>.json and .png")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="run every mode on N processes (one per GPU; gloo processes on CPU)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import json
+    from pathlib import Path
+
+    device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    workload = Workload.default(device, args.model, batches=args.batches, context=args.context, modes=args.modes,
+                                timed_steps=args.steps, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+    result = run_bench(workload)
+    print(render(result))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"bench_{Path(workload.model).name}_{device}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {stem.with_suffix('.json')}")
+    if not args.no_plot:
+        plot(result, str(stem.with_suffix(".png")))
+        print(f"wrote {stem.with_suffix('.png')}")
+    return 0

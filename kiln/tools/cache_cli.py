@@ -14,7 +14,7 @@ import datetime
 import json
 
 from kiln.compile.cache import CacheEntry, CacheRoot
-from kiln.compile.cache_key import FACTORS
+from kiln.compile.cache.key import FACTORS
 
 
 def ls(root: CacheRoot) -> list[str]:
@@ -125,7 +125,22 @@ def _age(stamp: str | None) -> str:
     return f"{seconds:.0f}s"
 
 
-def main(args) -> int:
+def register(commands) -> None:
+    cache = commands.add_parser("cache", help="list, verify, clear or compare compile-cache entries (KILN_CACHE_ROOT)")
+    sub = cache.add_subparsers(dest="cache_command", required=True)
+    sub.add_parser("ls", help="every entry: model, device, size, age, complete or not, shapes")
+    check = sub.add_parser("verify", help="check every file of the entries against its checksum")
+    check.add_argument("keys", nargs="*", help="entry keys or unique prefixes (default: all)")
+    drop = sub.add_parser("clear", help="remove entries")
+    drop.add_argument("keys", nargs="*", help="entry keys or unique prefixes")
+    drop.add_argument("--all", action="store_true", help="remove every entry")
+    compare = sub.add_parser("diff", help="why two entries' keys differ, factor by factor")
+    compare.add_argument("a")
+    compare.add_argument("b")
+    cache.set_defaults(func=run)
+
+
+def run(args) -> int:
     root = CacheRoot()
     if args.cache_command == "ls":
         print("\n".join(ls(root)))

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from kiln.config import CompilationConfig, EngineConfig
-
+from kiln.compile.config import DEFAULT_COMPILATION_LEVEL, CompilationConfig
+from kiln.config import EngineConfig
 
 
 def inspect_model(config: EngineConfig, compile_missing: bool = True) -> dict:
@@ -163,7 +163,7 @@ def cache_report(cache, entry) -> dict:
 
 
 def entry_factors(entry) -> dict:
-    from kiln.compile.cache_key import FACTORS
+    from kiln.compile.cache.key import FACTORS
 
     factors = {}
     for name in FACTORS:
@@ -175,20 +175,20 @@ def entry_factors(entry) -> dict:
 
 
 def factor_hashes(factors: dict) -> dict:
-    from kiln.compile.cache_key import digest
+    from kiln.compile.cache.key import digest
 
     return {name: digest(value)[:16] if value is not None else None for name, value in factors.items()}
 
 
 def key_matches(key: str, factors: dict) -> bool:
-    from kiln.compile.cache_key import key_of
+    from kiln.compile.cache.key import key_of
 
     return all(v is not None for v in factors.values()) and key_of(factors) == key
 
 
 def split_graph_path(entry, program, model_name: str) -> dict:
     """The entry's computation_graph.py, or (no entry, or none kept) a file written now."""
-    from kiln.compile.cache import READABLE_GRAPH
+    from kiln.compile.cache.entry import READABLE_GRAPH
 
     if entry is not None and READABLE_GRAPH in entry.manifest.get("files", {}):
         return {"path": str(entry.path / READABLE_GRAPH), "where": "cache entry"}
@@ -221,9 +221,9 @@ def render(report: dict) -> str:
 
 
 def cuda_graphs_report(config: EngineConfig) -> dict:
-    from kiln.compile.graph_plan import GraphDispatcher
+    from kiln.cudagraph import CudagraphDispatcher
 
-    return GraphDispatcher.from_config(config.compilation_config, config.max_num_seqs,
+    return CudagraphDispatcher.from_config(config.compilation_config, config.max_num_seqs,
                                        config.max_num_batched_tokens,
                                        enabled=config.torch_device.type == "cuda").summary()
 
@@ -285,11 +285,21 @@ def cache_lines(cache: dict, how: str) -> list[str]:
             f" -> {'complete' if entry['complete'] else 'incomplete (a start with these flags compiles the rest)'}"]
 
 
-def main(args) -> int:
-    from kiln.cli import _engine_config
+def register(commands) -> None:
+    about = ("split ops, pieces, ranges and sizes, custom ops, cache entry and split graph of a model under "
+             "the compile flags (default -O2); starts warm from the compile cache, or, with no entry for these "
+             "flags, compiles as a server start would (--no-compile: capture and split only)")
+    p = commands.add_parser("inspect", help=about, description=about)
+    p.add_argument("--no-compile", action="store_true",
+                   help="with no cache entry, capture and split only: pieces uncompiled, no entry shown")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    EngineConfig.add_arguments(p)
+    p.set_defaults(func=run)
 
-    args.compilation = args.compilation_config  # -O2 unless a flag said otherwise
-    config = _engine_config(args)
+
+def run(args) -> int:
+    compilation = CompilationConfig.from_args(args) or CompilationConfig.level(DEFAULT_COMPILATION_LEVEL)
+    config = EngineConfig.from_args(args, compilation=compilation)  # -O2 unless a flag said otherwise
     report = inspect_model(config, compile_missing=not args.no_compile)
     print(json.dumps(report, indent=1) if args.json else render(report))
     return 0

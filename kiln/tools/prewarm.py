@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from kiln.config import CompilationConfig, EngineConfig
+from kiln.compile.config import DEFAULT_COMPILATION_LEVEL, CompilationConfig
+from kiln.config import EngineConfig
 
 MANIFEST_KEYS = ("compile_ranges", "compile_sizes", "cudagraph_capture_sizes")
 
@@ -54,10 +55,10 @@ def with_shapes(compilation: CompilationConfig, shapes: dict) -> CompilationConf
 def prewarm(config: EngineConfig) -> dict:
     """Compile (or load) every range and size of `config` into its cache entry; the coverage."""
     from kiln.engine.runner import compile_cache, compile_forward
-    from kiln.tools.inspect_cmd import cuda_graphs_report
     from kiln.engine.timeline import StartupTimeline
     from kiln.loader import load_source
     from kiln.models import build_model
+    from kiln.tools.inspect_cmd import cuda_graphs_report
 
     source = load_source(config.model)
     dtype, device = config.torch_dtype, config.torch_device
@@ -101,12 +102,19 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(args) -> int:
-    from kiln.cli import _engine_config
+def register(commands) -> None:
+    p = commands.add_parser("prewarm", help="compile everything a server needs into the compile cache; "
+                                            "print what the entry covers")
+    p.add_argument("--manifest", default=None,
+                   help="JSON with compile_ranges, compile_sizes, cudagraph_capture_sizes (each optional)")
+    EngineConfig.add_arguments(p)
+    p.set_defaults(func=run)
 
+
+def run(args) -> int:
     shapes = read_shapes(args.manifest) if args.manifest else {}
-    args.compilation = with_shapes(args.compilation_config, shapes)
-    config = _engine_config(args)
+    compilation = CompilationConfig.from_args(args) or CompilationConfig.level(DEFAULT_COMPILATION_LEVEL)
+    config = EngineConfig.from_args(args, compilation=with_shapes(compilation, shapes))
     with torch.inference_mode():
         report = prewarm(config)
     print(render(report))

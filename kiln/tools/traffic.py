@@ -127,3 +127,23 @@ def render(name: str, report: TrafficReport, token_counts: list[int], bandwidth:
         lines.append(f"elementwise extra reaches {share:.0%} of weight traffic at "
                      f"{r.tokens_for_share(share):.0f} tokens")
     return "\n".join(lines)
+
+
+def register(commands) -> None:
+    p = commands.add_parser("traffic", help="logical-bytes model of fused add+RMSNorm vs its decomposition")
+    p.add_argument("--model", default="llama-3-8b", help="a preset, .gguf or HF folder (only its shape is read)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
+    p.add_argument("--bandwidth", type=float, default=3.35, help="memory bandwidth in TB/s for the floor")
+    p.add_argument("--share", type=float, nargs="+", default=[0.1, 0.25],
+                   help="report the token count where extra elementwise bytes reach this share of weight bytes")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from kiln.loader import load_source
+
+    cfg = load_source(args.model).config
+    report = traffic(cfg, {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype])
+    print(render(args.model, report, args.tokens, args.bandwidth, args.share))
+    return 0

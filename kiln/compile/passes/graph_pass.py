@@ -1,9 +1,8 @@
 """A graph pass: one rewrite of Inductor's post-grad graph, switched on by name in the config.
 
-A subclass registers itself under its `name` when its module is imported (as CustomOp
-subclasses register their op names), so a pass that knows kiln's ops lives next to those
-ops and this package stays generic. `order` places it in the pipeline, whatever the order
-of the config's list:
+kiln's own passes are listed in kiln.compile.passes.registry; a subclass defined anywhere
+else (a test's probe, a user's pass) registers itself under its `name` when its module is
+imported. `order` places a pass in the pipeline, whatever the order of the config's list:
 
     10  clean-up (no-op elimination): later patterns need not see through identity views
     20  fusion (add + RMSNorm)
@@ -17,16 +16,14 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from torch import fx
 
 from kiln.compile.passes import fx_edit
+from kiln.compile.shapes import TokenShape
 
-if TYPE_CHECKING:
-    from kiln.compile.pieces import TokenShape
-
-_REGISTRY: dict[str, type[GraphPass]] = {}
+_EXTENSIONS: dict[str, type[GraphPass]] = {}  # passes defined outside kiln.compile.passes
 
 
 class GraphPass:
@@ -39,12 +36,12 @@ class GraphPass:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         name = cls.__dict__.get("name")
-        if name is None:
+        if name is None or cls.__module__.startswith("kiln.compile.passes."):
             return
-        known = _REGISTRY.get(name)
+        known = _EXTENSIONS.get(name)
         if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
             raise ValueError(f"graph pass name {name!r} is taken by {known.__module__}.{known.__qualname__}")
-        _REGISTRY[name] = cls
+        _EXTENSIONS[name] = cls
 
     def __call__(self, graph: fx.Graph) -> int:
         """Rewrite `graph` in place; return the number of matches rewritten."""
@@ -71,18 +68,5 @@ class GraphPass:
         return hasher.hexdigest()
 
 
-def known_passes() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def pass_class(name: str) -> type[GraphPass]:
-    return _REGISTRY[name]
-
-
-def check_pass_names(names: list[str]) -> None:
-    """Fail on a name no registered pass answers to, or on a name given twice."""
-    for name in names:
-        if not isinstance(name, str) or name not in _REGISTRY:
-            raise ValueError(f"compilation passes: {name!r} is not a graph pass; known: {', '.join(known_passes())}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"compilation passes lists a pass twice: {names!r}")
+def extension_passes() -> dict[str, type[GraphPass]]:
+    return dict(_EXTENSIONS)

@@ -21,7 +21,8 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from kiln.compile.monitor import CompileMonitor, logger
-from kiln.compile.passes.graph_pass import GraphPass, check_pass_names, pass_class
+from kiln.compile.passes.graph_pass import GraphPass
+from kiln.compile.passes.registry import check_pass_names, pass_class
 from kiln.compile.passes.target import current_target
 
 

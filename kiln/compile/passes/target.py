@@ -10,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kiln.compile.pieces import TokenShape
+from kiln.compile.shapes import TokenShape
 
 
 @dataclass(frozen=True)

@@ -1,50 +1,18 @@
-"""Which CUDA graph runs a step: the bucket ladder, the padding table, the per-phase choice.
+"""Which CUDA graph runs a step: the per-phase plans and the choice made for each step.
 
-Pure bookkeeping, no CUDA: the same decisions are made (and unit-tested) on the CPU, where
-the graph layer itself passes every call through.
-
-A step is padded up to the next captured bucket, so a handful of graphs serve every batch
-size: a uniform decode batch (every sequence adds one token) goes to the decode phase's
-graphs, anything else to the prefill phase's; a decode batch larger than the decode
-phase's largest bucket falls back to the prefill phase, and a batch above both runs
-without a graph.
+A uniform decode batch (every sequence adds one token) goes to the decode phase's graphs,
+anything else to the prefill phase's; a decode batch larger than the decode phase's
+largest bucket falls back to the prefill phase, and a batch above both runs without a
+graph. Pure bookkeeping, no CUDA: the same decisions are made (and unit-tested) on the
+CPU, where the graph layer itself passes every call through.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # kiln.config imports kiln.ops, whose attention imports kiln.compile
-    from kiln.config import CompilationConfig, PhaseGraphs
-
-DEFAULT_MAX_CAPTURE_SIZE = 512
-
-
-def capture_ladder(max_size: int) -> list[int]:
-    """1, 2, 4, then steps of 8 to 256, then steps of 16, up to and including max_size."""
-    ladder = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, max_size + 1, 16))
-    sizes = [n for n in ladder if n <= max_size]
-    if sizes[-1] != max_size:
-        sizes.append(max_size)  # so every batch up to the max has a bucket
-    return sizes
-
-
-class BucketTable:
-    """bucket_for(n): the smallest captured size >= n, looked up in a precomputed table."""
-
-    def __init__(self, sizes: list[int]):
-        self.sizes = sorted(set(sizes))
-        top = self.sizes[-1] if self.sizes else 0
-        self._table = [None] + [self.sizes[bisect.bisect_left(self.sizes, n)] for n in range(1, top + 1)]
-
-    @property
-    def max_size(self) -> int:
-        return self.sizes[-1] if self.sizes else 0
-
-    def bucket_for(self, n: int) -> int | None:
-        return self._table[n] if 0 < n < len(self._table) else None
+from kiln.compile.config import CompilationConfig, PhaseGraphs
+from kiln.cudagraph.ladder import DEFAULT_MAX_CAPTURE_SIZE, BucketTable, capture_ladder
 
 
 @dataclass(frozen=True)
@@ -58,7 +26,7 @@ class PhasePlan:
 
 
 @dataclass(frozen=True)
-class GraphChoice:
+class CudagraphChoice:
     phase: str
     mode: str  # the graph mode that runs this step; "none" = no graph
     compiler: str
@@ -81,15 +49,15 @@ def phase_plan(name: str, phase: PhaseGraphs, sizes: list[int], limit: int) -> P
                      phase.static_max_batch)
 
 
-class GraphDispatcher:
-    """Picks the graph (or none) for each step, and the bucket it is padded to."""
+class CudagraphDispatcher:
+    """Picks the CUDA graph (or none) for each step, and the bucket it is padded to."""
 
     def __init__(self, prefill: PhasePlan, decode: PhasePlan, enabled: bool):
         self.prefill, self.decode, self.enabled = prefill, decode, enabled
 
     @classmethod
     def from_config(cls, config: CompilationConfig, max_num_seqs: int, max_num_batched_tokens: int,
-                    enabled: bool) -> "GraphDispatcher":
+                    enabled: bool) -> "CudagraphDispatcher":
         """enabled=False (the CPU): every step runs without a graph, through the same choice."""
         top = config.max_cudagraph_capture_size or min(2 * max_num_seqs, DEFAULT_MAX_CAPTURE_SIZE)
         sizes = [n for n in (config.cudagraph_capture_sizes or capture_ladder(top)) if n <= top]
@@ -98,17 +66,17 @@ class GraphDispatcher:
                             min(max_num_seqs, max_num_batched_tokens))
         return cls(prefill, decode, enabled)
 
-    def choose(self, num_tokens: int, uniform_decode: bool) -> GraphChoice:
+    def choose(self, num_tokens: int, uniform_decode: bool) -> CudagraphChoice:
         phases = (self.decode, self.prefill) if uniform_decode else (self.prefill,)
         if self.enabled:
             for phase in phases:
                 bucket = phase.buckets.bucket_for(num_tokens)
                 if bucket is not None:
-                    return GraphChoice(phase.name, phase.mode, phase.compiler, bucket)
+                    return CudagraphChoice(phase.name, phase.mode, phase.compiler, bucket)
         first = phases[0]
         # SGLang's path: decode batches past the statically compiled buckets run eagerly.
         compiler = "eager" if first.static_compile else first.compiler
-        return GraphChoice(first.name, "none", compiler, None)
+        return CudagraphChoice(first.name, "none", compiler, None)
 
     def captures(self) -> list[tuple[PhasePlan, int]]:
         """Every (phase, bucket) to capture, largest first so that smaller graphs fit in the

@@ -1,14 +1,14 @@
-"""Calling the captured graph without Dynamo: the forward's arguments in, its value out.
+"""Calling the captured graph directly, without Dynamo: the forward's arguments in, its value out.
 
 Around the graph it captured, Dynamo's bytecode does two jobs on every call: it gathers the
 graph's inputs (each parameter and buffer, the arguments, the token count as an int) and
 turns the graph's outputs into the forward's return value. A CallSpec records both once, at
 capture, by matching the real inputs Dynamo handed the backend against the model's tensors
 and the call's arguments (by identity), and the real return value against the graph's
-outputs. A GraphCall replays it. The spec pickles, so a warm start from the compile cache
+outputs. A DirectCall replays it. The spec pickles, so a warm start from the compile cache
 needs neither Dynamo nor its bytecode; and the parameters are looked up once, not per call.
 
-Parameters are bound when the GraphCall is made: copying new weights into them in place
+Parameters are bound when the DirectCall is made: copying new weights into them in place
 is seen, replacing a Parameter object afterwards is not.
 """
 
@@ -94,7 +94,7 @@ def _output_sources(leaves: list, graph_outputs, args: list) -> list[tuple] | No
     return sources
 
 
-class GraphCall:
+class DirectCall:
     """The forward, as the captured graph called directly with a CallSpec."""
 
     def __init__(self, graph: fx.GraphModule, spec: CallSpec, model: nn.Module, signature: inspect.Signature):

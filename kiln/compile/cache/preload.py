@@ -21,15 +21,11 @@ import logging
 import threading
 import time
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from kiln.compile.cache.model_cache import CompileCache
+from kiln.compile.config import CompilationConfig
 from kiln.compile.monitor import logger
-
-if TYPE_CHECKING:  # kiln.config imports kiln.ops, whose attention imports kiln.compile
-    from kiln.compile.cache import CompileCache
-    from kiln.config import CompilationConfig
 
 # What an artifact load imports (torch 2.11-2.13), roots only: each pulls in the rest. A
 # module missing from this torch is skipped.

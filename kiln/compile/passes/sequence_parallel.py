@@ -19,23 +19,19 @@ the token count to divide by the TP size, so the pass runs only for exact compil
 (a compile range may hold any count) and skips a site whose row count does not divide.
 
 Matches the fused op: enable the fuse_add_rms_norm pass (or custom_ops +fused_add_rms_norm).
+The collectives are kiln.distributed's ops, found by name in torch.ops.kiln.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
 
 from kiln.compile.passes.fx_edit import call, erase, getitem, is_op, outputs_of, val
 from kiln.compile.passes.graph_pass import GraphPass
-from kiln.distributed.collectives import all_gather, all_reduce, reduce_scatter  # noqa: F401  registers the ops
-from kiln.distributed.parallel_state import group_size
-
-if TYPE_CHECKING:
-    from kiln.compile.pieces import TokenShape
+from kiln.compile.shapes import TokenShape
 
 kiln = torch.ops.kiln
 
@@ -118,6 +114,12 @@ def _splittable_all_reduce(node, norm: fx.Node) -> str | None:
     size = group_size(group)
     rows = val(node).shape[0]
     return group if size > 1 and isinstance(rows, int) and rows % size == 0 else None
+
+
+def group_size(group: str) -> int:
+    """How many ranks `group` has, asked of the collective itself: all_gather stacks one row
+    per rank, and its fake (which serves meta tensors) says how many without communicating."""
+    return kiln.all_gather.default(torch.empty(1, device="meta"), group).shape[0]
 
 
 def _is_stream_start(node, group: str) -> bool:

@@ -1,15 +1,15 @@
 """The model forward of each step, through the CUDA graph its batch was dispatched to.
 
-Captured at start-up, after the KV cache exists (a full graph's attention reads it):
-every (phase, bucket) the dispatcher can pick, largest first, into one memory pool. Each
-capture is preceded by one ordinary run of the same shape, so that nothing compiles,
-autotunes or allocates lazily inside the capture. On the CPU nothing is captured and
-every call passes through (with the same dispatch and padding, when enabled).
+This is the package's entry point for the engine. Captured at start-up, after the KV cache
+exists (a full graph's attention reads it): every (phase, bucket) the dispatcher can pick,
+largest first, into one memory pool. Each capture is preceded by one ordinary run of the
+same shape, so that nothing compiles, autotunes or allocates lazily inside the capture. On
+the CPU nothing is captured and every call passes through (with the same dispatch and
+padding, when enabled).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 
@@ -17,31 +17,32 @@ import torch
 from torch import nn
 
 from kiln.compile import CompiledModel
-from kiln.compile.breakable import capture_breakable
-from kiln.compile.graph_plan import GraphChoice, GraphDispatcher, PhasePlan
-from kiln.compile.graphs import GraphPool, log_capture
-from kiln.engine.step_buffers import PackedStep, StepBuffers
+from kiln.cudagraph.breakable import capture_breakable
+from kiln.cudagraph.dispatcher import CudagraphChoice, CudagraphDispatcher, PhasePlan
+from kiln.cudagraph.piecewise import PiecewiseCudagraphs
+from kiln.cudagraph.pool import CudagraphPool, log_capture
+from kiln.cudagraph.step_buffers import PackedStep, StepBuffers
 from kiln.forward_context import set_forward_context
 
-logger = logging.getLogger("kiln")
 
-
-class ForwardGraphs:
-    def __init__(self, model: nn.Module, compiled: CompiledModel, dispatcher: GraphDispatcher,
+class ForwardCudagraphs:
+    def __init__(self, model: nn.Module, compiled: CompiledModel, dispatcher: CudagraphDispatcher,
                  buffers: StepBuffers, max_model_len: int, max_num_seqs: int, debug: bool = False):
         self.model, self.compiled, self.dispatcher, self.buffers = model, compiled, dispatcher, buffers
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.device = buffers.device
         self.split_names = {op.name for op in compiled.split_ops}
-        self.pool = GraphPool(self.device, debug) if self.device.type == "cuda" else None
-        compiled.piece_graphs.pool = self.pool
+        self.pool = CudagraphPool(self.device, debug) if self.device.type == "cuda" else None
+        self.piecewise = PiecewiseCudagraphs(self.pool)
+        if any(phase.mode == "piecewise" for phase in (dispatcher.prefill, dispatcher.decode)):
+            compiled.wrap_pieces(self.piecewise.wrap)
         self.graphs: dict[tuple[str, int], object] = {}  # (phase, bucket) -> captured graph
         self.static_forward: Callable | None = None  # SGLang's path: one static compile per bucket
         self.stats = {"num_graphs": 0, "capture_s": 0.0, "graph_memory_bytes": 0, "buckets": 0}
 
     # ------------------------------------------------------------------ per step
 
-    def pack(self, step: PackedStep, uniform_decode: bool) -> tuple[GraphChoice, tuple]:
+    def pack(self, step: PackedStep, uniform_decode: bool) -> tuple[CudagraphChoice, tuple]:
         """Choose the graph for this step and write its padded inputs; returns the choice and
         (input ids, positions, metadata)."""
         choice = self.dispatcher.choose(step.num_tokens, uniform_decode)
@@ -54,13 +55,13 @@ class ForwardGraphs:
             max_seq_len = max(step.seq_lens)
         return choice, self.buffers.load(step, num_tokens, num_seqs, max_query_len, max_seq_len)
 
-    def run(self, choice: GraphChoice, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def run(self, choice: CudagraphChoice, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states of the (padded) step; valid until the next call. Call inside the
         step's forward context."""
         graph = self.graphs.get((choice.phase, choice.bucket))
         if graph is not None:
             if choice.mode == "piecewise":
-                with self.compiled.piece_graphs.active(choice.bucket, "replay"):
+                with self.piecewise.active(choice.bucket, "replay"):
                     return self.compiled(input_ids, positions)
             return graph.replay(input_ids, positions) if choice.mode == "full" else graph.replay()
         return self._forward(choice)(input_ids, positions)
@@ -86,7 +87,7 @@ class ForwardGraphs:
         return self.stats
 
     def _capture(self, phase: PhasePlan, bucket: int, kv_caches: dict[str, torch.Tensor]) -> None:
-        choice = GraphChoice(phase.name, phase.mode, phase.compiler, bucket)
+        choice = CudagraphChoice(phase.name, phase.mode, phase.compiler, bucket)
         # No real tokens: a graph records launches and addresses, and the kernels' grids depend
         # only on shapes, so an all-padding step captures the same graph as a real one.
         empty = PackedStep([], [], [], [], [], [0])
@@ -105,7 +106,7 @@ class ForwardGraphs:
                 elif phase.mode == "breakable":
                     graph, _ = capture_breakable(self.pool, forward, (ids, pos), self.split_names)
                 else:
-                    with self.compiled.piece_graphs.active(bucket, "capture"):
+                    with self.piecewise.active(bucket, "capture"):
                         forward(ids, pos)
                     graph = "piecewise"  # the graphs live in the pieces
         self.graphs[(phase.name, bucket)] = graph
@@ -119,7 +120,7 @@ class ForwardGraphs:
             return bucket, 1, self.max_model_len
         return min(bucket, self.max_num_seqs, self.buffers.max_seqs), bucket, self.max_model_len
 
-    def _forward(self, choice: GraphChoice) -> Callable:
+    def _forward(self, choice: CudagraphChoice) -> Callable:
         if choice.phase == "decode" and choice.mode == "full" and self.dispatcher.decode.static_compile:
             return self._static_forward()
         return self.compiled if choice.compiler == "inductor" else self.model

@@ -1,8 +1,6 @@
-"""The compile cache on disk: entries keyed by cache_key, written atomically under a lock,
-checked against their manifest before anything in them is loaded.
+"""One cache entry: its manifest, the checksum of every file, repair of what fails it, and
+the artifacts it holds (the split program, a piece artifact per unique piece and shape).
 
-    $KILN_CACHE_ROOT                  default ~/.cache/kiln, mode 0700
-      index/<prekey>.json             the source files the last capture traced (see cache_key)
       <key>/                          one entry
         lock                          held (flock) by any process reading or writing the entry
         manifest.json                 what the entry holds, and a sha256 of every other file
@@ -14,29 +12,26 @@ checked against their manifest before anything in them is loaded.
                                       on CPU an artifact does not carry its built .so, this does
 
 A file that fails its checksum is logged with its path and rebuilt, never loaded.
-KILN_DISABLE_COMPILE_CACHE=1 turns the cache off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import hashlib
 import importlib.metadata
 import json
 import os
 import pickle
 import shutil
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.compile.cache_key import FACTORS, code_factor, key_of, prekey_of
+from kiln.compile.cache.key import FACTORS
+from kiln.compile.cache.store import EntryLock, sha256_file, write_atomic
 from kiln.compile.monitor import logger
-from kiln.compile.pieces import TokenShape
+from kiln.compile.shapes import TokenShape
 
 MANIFEST = "manifest.json"
 GRAPH = "graph.pkl"
@@ -46,185 +41,6 @@ MAX_GRAPH_BYTES = 256 * 2**20
 # Inductor rewrites these from the artifact on every load (or keeps locks and temporary
 # files there), so they are not the entry's to check.
 _RESTORED_ON_LOAD = ("fxgraph", "aotautograd", "triton", "locks", "cache")
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KILN_CACHE_ROOT") or Path.home() / ".cache" / "kiln").expanduser()
-
-
-def cache_disabled() -> bool:
-    return os.environ.get("KILN_DISABLE_COMPILE_CACHE", "").strip().lower() not in ("", "0", "false", "no")
-
-
-def sha256_file(path: Path) -> str | None:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return None
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a temporary file beside `path`, then rename it over: readers see all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-class EntryLock:
-    """An exclusive flock on <entry>/lock, re-entrant within a process (a second flock on
-    a new descriptor of the same file would wait for the first forever)."""
-
-    _locks: dict[Path, "EntryLock"] = {}
-    _guard = threading.Lock()
-
-    def __init__(self, path: Path):
-        self.path, self.depth, self.fd = path, 0, None
-        self.mutex = threading.RLock()
-
-    @classmethod
-    def of(cls, path: Path) -> "EntryLock":
-        with cls._guard:
-            return cls._locks.setdefault(path, cls(path))
-
-    @contextlib.contextmanager
-    def hold(self):
-        with self.mutex:
-            if self.depth == 0:
-                self.fd = self._acquire()
-            self.depth += 1
-            try:
-                yield
-            finally:
-                self.depth -= 1
-                if self.depth == 0:
-                    os.close(self.fd)  # releases the flock
-                    self.fd = None
-
-    def _acquire(self) -> int:
-        while True:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                logger.info("compile cache: waiting for another process to finish with %s", self.path.parent)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            # `kiln cache clear` may have removed the entry while this process waited.
-            if self.path.exists() and os.fstat(fd).st_ino == os.stat(self.path).st_ino:
-                return fd
-            os.close(fd)
-
-
-@dataclass
-class CacheRoot:
-    path: Path = field(default_factory=cache_root)
-
-    def ensure(self) -> None:
-        try:
-            self.path.mkdir(mode=0o700, parents=True)
-        except FileExistsError:  # another process (a concurrent prewarm) made it first
-            return
-        os.chmod(self.path, 0o700)  # mkdir's mode is filtered by the umask
-
-    def entry(self, key: str) -> "CacheEntry":
-        return CacheEntry(self.path / key, key)
-
-    def entries(self) -> list["CacheEntry"]:
-        if not self.path.is_dir():
-            return []
-        return [self.entry(p.name) for p in sorted(self.path.iterdir())
-                if p.is_dir() and p.name != "index" and not p.name.startswith(".")]
-
-    def find(self, prefix: str) -> "CacheEntry":
-        """The entry whose key starts with `prefix` (as git takes a short hash)."""
-        found = [e for e in self.entries() if e.key.startswith(prefix)]
-        if len(found) != 1:
-            raise ValueError(f"{'no' if not found else len(found)} cache entries match {prefix!r} in {self.path}")
-        return found[0]
-
-    def has_entry_for(self, model: str, device_type: str) -> bool:
-        """Whether an entry of `model` (its manifest's name) on `device_type` is here: a cheap
-        guess that a start will be warm, made before the key can be computed."""
-        for manifest in self.path.glob("*/" + MANIFEST) if self.path.is_dir() else ():
-            try:
-                info = json.loads(manifest.read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(info, dict) and info.get("model") == model and info.get("graph") and \
-                    str(info.get("device", "")).split(":")[0] == device_type:
-                return True
-        return False
-
-    def read_index(self, prekey: str) -> list[str] | None:
-        try:
-            return json.loads((self.path / "index" / f"{prekey}.json").read_text())["sources"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-    def write_index(self, prekey: str, sources: list[str]) -> None:
-        self.ensure()
-        write_atomic(self.path / "index" / f"{prekey}.json", json.dumps({"sources": sources}, indent=1).encode())
-
-
-@dataclass
-class CompileCache:
-    """The cache a model compiles into, and what its caller knows that changes the compiled
-    code (architecture, dtype, custom ops: part of the config factor). `name` is only shown."""
-
-    root: CacheRoot
-    model: dict
-    name: str = ""
-    # kiln.compile.preload's thread, started by the engine when a warm start is likely;
-    # the warm start joins it
-    preload: object | None = field(default=None, repr=False, compare=False)
-
-    @classmethod
-    def from_env(cls, model: dict, name: str = "") -> "CompileCache | None":
-        """The cache at KILN_CACHE_ROOT, or None when KILN_DISABLE_COMPILE_CACHE is set."""
-        if cache_disabled():
-            logger.info("compile cache: off (KILN_DISABLE_COMPILE_CACHE)")
-            return None
-        return cls(CacheRoot(), model, name)
-
-
-class ModelCache:
-    """One model's way into the cache: the factors known before capture, and its entry."""
-
-    def __init__(self, cache: CompileCache, factors: dict, info: dict, root_source: str):
-        self.root, self.factors, self.info = cache.root, factors, info  # factors: all but code
-        self.root_source = root_source  # the forward's own file: traced whether Dynamo lists it or not
-        self.prekey = prekey_of(factors)
-        self.entry: CacheEntry | None = None
-
-    def warm_entry(self) -> "CacheEntry | None":
-        """The entry for the code as it is now, opened (checked, repaired), if one was filled before."""
-        start = time.perf_counter()
-        sources = self.root.read_index(self.prekey)
-        code = code_factor(sources) if sources else None
-        if code is None:
-            return None
-        factors = {**self.factors, "code": code}
-        entry = self.root.entry(key_of(factors))
-        if not entry.exists():
-            return None
-        entry.timings["open.code_factor"] = time.perf_counter() - start
-        entry.open(factors, self.info)
-        self.entry = entry
-        return entry
-
-    def entry_for(self, traced: list[str]) -> "CacheEntry":
-        """The entry for the files this capture traced (created if new)."""
-        sources = sorted(set(traced) | {self.root_source})
-        code = code_factor(sources) or {}
-        factors = {**self.factors, "code": code}
-        self.root.write_index(self.prekey, sources)
-        self.entry = self.root.entry(key_of(factors))
-        self.entry.open(factors, self.info)
-        return self.entry
 
 
 class CacheEntry:

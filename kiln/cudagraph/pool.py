@@ -1,11 +1,11 @@
-"""CUDA graph capture and replay: whole forwards (full) and single compiled pieces (piecewise).
+"""CUDA graph capture and replay, and the memory pool every graph of a model shares.
 
-Every graph of a model draws from one shared memory pool and is captured largest bucket
-first, so a smaller graph reuses the memory a larger one needed. That is safe because the
-graphs never run concurrently and a tensor is dead once the op after it has read it: the
-only tensors that must outlive a replay are the outputs, and those are held weakly (a view
-that does not own its memory), so capturing the next graph may reuse what they occupy.
-The caller must read a replay's output before it replays another graph.
+Every graph draws from one shared pool and is captured largest bucket first, so a smaller
+graph reuses the memory a larger one needed. That is safe because the graphs never run
+concurrently and a tensor is dead once the op after it has read it: the only tensors that
+must outlive a replay are the outputs, and those are held weakly (a view that does not own
+its memory), so capturing the next graph may reuse what they occupy. The caller must read
+a replay's output before it replays another graph.
 
 Inputs of a graph are read from the addresses seen at capture: the caller keeps its
 inputs in static buffers (sliced the same way each time), and each piece's inputs are the
@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import time
 from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
 
-from kiln.compile.monitor import logger
+logger = logging.getLogger("kiln")
 
 
 def weak_view(t: torch.Tensor) -> torch.Tensor:
@@ -40,8 +41,8 @@ def tensor_addresses(args) -> list[int]:
     return [x.data_ptr() for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
 
 
-class GraphPool:
-    """The memory pool, capture stream and bookkeeping shared by all graphs of one model."""
+class CudagraphPool:
+    """The memory pool, capture stream and bookkeeping shared by all CUDA graphs of one model."""
 
     def __init__(self, device: torch.device, debug: bool = False):
         self.device, self.debug = device, debug
@@ -75,7 +76,7 @@ class GraphPool:
         torch.cuda.synchronize(self.device)
         self.capture_s += time.perf_counter() - start
 
-    def capture(self, fn: Callable, *args) -> tuple["CapturedGraph", object]:
+    def capture(self, fn: Callable, *args) -> tuple["CapturedCudagraph", object]:
         """Capture fn(*args); returns the graph and fn's output, strongly held: the caller keeps
         it while later captures of the same forward read it, then drops it (the graph keeps
         only a weak view)."""
@@ -84,7 +85,7 @@ class GraphPool:
             out = fn(*args)
         finally:
             self.end(graph)
-        return CapturedGraph(graph, weak_outputs(out), tensor_addresses(args) if self.debug else None), out
+        return CapturedCudagraph(graph, weak_outputs(out), tensor_addresses(args) if self.debug else None), out
 
     def begin(self) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
@@ -96,7 +97,7 @@ class GraphPool:
         self.num_graphs += 1
 
 
-class CapturedGraph:
+class CapturedCudagraph:
     def __init__(self, graph: torch.cuda.CUDAGraph, output, addresses: list[int] | None):
         self.graph, self.output, self.addresses = graph, output, addresses
 
@@ -112,43 +113,6 @@ class CapturedGraph:
         return self.output
 
 
-class PiecewiseGraphs:
-    """One CUDA graph per (compiled piece, bucket). The split graph runs as usual; each piece
-    call replays its graph for the active bucket, while the opaque regions between pieces
-    (attention) run eagerly. Outside `active(bucket, action)` calls pass through."""
-
-    def __init__(self):
-        self.pool: GraphPool | None = None
-        self.bucket: int | None = None
-        self.action: str | None = None  # "replay" | "capture" | None: pass through
-
-    @contextlib.contextmanager
-    def active(self, bucket: int, action: str):
-        self.bucket, self.action = bucket, action
-        try:
-            yield
-        finally:
-            self.bucket = self.action = None
-
-    def wrap(self, piece: Callable) -> Callable:
-        return GraphedPiece(piece, self)
-
-
-class GraphedPiece:
-    def __init__(self, piece: Callable, graphs: PiecewiseGraphs):
-        self.piece, self.graphs = piece, graphs
-        self.by_bucket: dict[int, CapturedGraph] = {}
-
-    def __call__(self, *args):
-        graphs = self.graphs
-        if graphs.action is None:
-            return self.piece(*args)
-        if graphs.action == "replay":
-            return self.by_bucket[graphs.bucket].replay(*args)
-        self.by_bucket[graphs.bucket], out = graphs.pool.capture(self.piece, *args)
-        return out
-
-
-def log_capture(pool: GraphPool, memory_bytes: int) -> None:
+def log_capture(pool: CudagraphPool, memory_bytes: int) -> None:
     logger.info("captured %d CUDA graphs in %.2f s, %.2f GiB of graph memory", pool.num_graphs,
                 pool.capture_s, memory_bytes / 2**30)

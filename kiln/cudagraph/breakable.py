@@ -21,7 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kiln.compile.graphs import GraphPool, weak_outputs, weak_view
+from kiln.cudagraph.pool import CudagraphPool, weak_outputs, weak_view
 
 
 class SplitCall:
@@ -40,7 +40,7 @@ class SplitCall:
                 old.copy_(new)
 
 
-class BreakableGraph:
+class BreakableCudagraph:
     def __init__(self, steps: list, output):
         self.steps, self.output = steps, output  # steps: CUDAGraph | SplitCall, in order
 
@@ -54,7 +54,7 @@ class BreakableGraph:
 
 
 class _Segmenter(TorchDispatchMode):
-    def __init__(self, pool: GraphPool, split_names: set[str]):
+    def __init__(self, pool: CudagraphPool, split_names: set[str]):
         super().__init__()
         self.pool, self.split_names = pool, split_names
         self.steps: list = []
@@ -81,7 +81,7 @@ class _Segmenter(TorchDispatchMode):
             self.graph = None
 
 
-def capture_breakable(pool: GraphPool, fn: Callable, args: tuple, split_names: set[str]):
+def capture_breakable(pool: CudagraphPool, fn: Callable, args: tuple, split_names: set[str]):
     """Capture fn(*args) as segments cut at `split_names` ops; returns (graph, strong output)."""
     segmenter = _Segmenter(pool, split_names)
     try:
@@ -89,4 +89,4 @@ def capture_breakable(pool: GraphPool, fn: Callable, args: tuple, split_names: s
             out = fn(*args)
     finally:
         segmenter.end_segment()
-    return BreakableGraph(segmenter.steps, weak_outputs(out)), out
+    return BreakableCudagraph(segmenter.steps, weak_outputs(out)), out

@@ -26,7 +26,6 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from kiln.compile.passes.fx_edit import call, erase, getitem, is_op, val
 from kiln.compile.passes.graph_pass import GraphPass
-from kiln.ops.norm import fused_add_rms_norm_op  # noqa: F401  registers torch.ops.kiln.fused_add_rms_norm
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -49,6 +48,9 @@ class FuseAddRMSNorm(GraphPass):
     order = 20
 
     def __call__(self, graph: fx.Graph) -> int:
+        if not hasattr(torch.ops.kiln, "fused_add_rms_norm"):
+            raise RuntimeError("the fuse_add_rms_norm pass rewrites into torch.ops.kiln.fused_add_rms_norm, which "
+                               "this process has not registered; import kiln.ops before compiling")
         fused = 0
         # One site at a time: fusing rewires the residual that the next site adds to.
         for rsqrt in [n for n in graph.nodes if is_op(n, aten.rsqrt.default)]:

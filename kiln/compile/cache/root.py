@@ -1,0 +1,64 @@
+"""The cache root: its entries, finding one by key prefix, and the index of traced sources."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.compile.cache.entry import MANIFEST, CacheEntry
+from kiln.compile.cache.store import cache_root, write_atomic
+
+
+@dataclass
+class CacheRoot:
+    path: Path = field(default_factory=cache_root)
+
+    def ensure(self) -> None:
+        try:
+            self.path.mkdir(mode=0o700, parents=True)
+        except FileExistsError:  # another process (a concurrent prewarm) made it first
+            return
+        os.chmod(self.path, 0o700)  # mkdir's mode is filtered by the umask
+
+    def entry(self, key: str) -> CacheEntry:
+        return CacheEntry(self.path / key, key)
+
+    def entries(self) -> list[CacheEntry]:
+        if not self.path.is_dir():
+            return []
+        return [self.entry(p.name) for p in sorted(self.path.iterdir())
+                if p.is_dir() and p.name != "index" and not p.name.startswith(".")]
+
+    def find(self, prefix: str) -> CacheEntry:
+        """The entry whose key starts with `prefix` (as git takes a short hash)."""
+        found = [e for e in self.entries() if e.key.startswith(prefix)]
+        if len(found) != 1:
+            raise ValueError(f"{'no' if not found else len(found)} cache entries match {prefix!r} in {self.path}")
+        return found[0]
+
+    def has_entry_for(self, model: str, device_type: str) -> bool:
+        """Whether an entry of `model` (its manifest's name) on `device_type` is here: a cheap
+        guess that a start will be warm, made before the key can be computed."""
+        for manifest in self.path.glob("*/" + MANIFEST) if self.path.is_dir() else ():
+            try:
+                info = json.loads(manifest.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(info, dict) and info.get("model") == model and info.get("graph") and \
+                    str(info.get("device", "")).split(":")[0] == device_type:
+                return True
+        return False
+
+    def read_index(self, prekey: str) -> list[str] | None:
+        try:
+            return json.loads((self.path / "index" / f"{prekey}.json").read_text())["sources"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def write_index(self, prekey: str, sources: list[str]) -> None:
+        self.ensure()
+        write_atomic(self.path / "index" / f"{prekey}.json", json.dumps({"sources": sources}, indent=1).encode())
+
+
