@@ -55,11 +55,16 @@ class EngineConfig:
     # Processes that share the model, each with a shard of every layer: one per GPU on CUDA,
     # gloo processes on CPU. kiln starts them itself (kiln.distributed.launcher).
     tensor_parallel_size: int = 1
+    # "auto": the checkpoint's weights; "dummy": random ones of the same shapes (vLLM's name),
+    # for prewarming and benchmarks: compiled code and kernels depend on shapes, not values.
+    load_format: str = "auto"
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy' (random weights), got {self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -142,6 +147,8 @@ class EngineConfig:
         p.add_argument("--kv-cache-gib", type=float, default=1.0)
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         p.add_argument("--custom-ops", default="", help="e.g. 'none,+rms_norm' (one base: all or none)")
+        p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                       help="dummy: random weights of the checkpoint's shapes (prewarming, benchmarks)")
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="shard the model over N processes kiln starts itself: one per GPU, or gloo processes on CPU")
         add_compilation_arguments(p)
@@ -154,7 +161,8 @@ class EngineConfig:
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             kv_cache_gib=args.kv_cache_gib, gpu_memory_utilization=args.gpu_memory_utilization,
-            custom_ops=[s for s in args.custom_ops.split(",") if s], tensor_parallel_size=args.tensor_parallel_size)
+            custom_ops=[s for s in args.custom_ops.split(",") if s], tensor_parallel_size=args.tensor_parallel_size,
+            load_format=args.load_format)
         return cls(**{**values, **overrides})
 
 

@@ -221,3 +221,6 @@ def test_metrics(server, client):
         assert name in metrics
     # The engine runs eagerly: no compile phases, and the help text says why the value is 0.
     assert metrics["kiln_compile_seconds"] == 0 and "0 when the engine recorded none" in text
+    # ... and nothing compiled: no Dynamo graph, no Inductor piece, no Triton kernel (a CPU).
+    assert metrics["kiln_dynamo_graphs_total"] == metrics["kiln_inductor_compiles_total"] == 0
+    assert metrics["kiln_triton_kernels_compiled_total"] == 0

@@ -169,10 +169,34 @@ def _gemv_case(rows, dtype, n=GEMV_N, k=GEMV_K, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
-def test_skinny_matmul_autotuned(rows, dtype, poisoned_empty):
-    x, w, expected = _gemv_case(rows, dtype)
+def test_skinny_matmul_takes_a_known_config_and_times_nothing(rows, dtype, poisoned_empty):
+    x, w, expected = _gemv_case(rows, dtype, n=GEMV_N + rows)  # a shape no other test launched
     assert_close(gemv.skinny_matmul(x, w), expected, dtype, GEMV_TOL)
-    assert gemv.chosen_config(rows, GEMV_N, GEMV_K, dtype) is not None
+    assert gemv.chosen_config(rows, GEMV_N + rows, GEMV_K, dtype) is None  # the autotuner never ran
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_skinny_matmul_is_autotuned_only_while_tuning(rows, poisoned_empty):
+    from kiln.ops.triton import gemv_configs
+
+    x, w, expected = _gemv_case(rows, torch.float16, n=GEMV_N + 40 + rows)
+    with gemv_configs.tuning():
+        assert_close(gemv.skinny_matmul(x, w), expected, torch.float16, GEMV_TOL)
+    chosen = gemv.chosen_config(rows, GEMV_N + 40 + rows, GEMV_K, torch.float16)
+    assert chosen is not None
+    block_m = 1 if rows == 1 else gemv.DOT_ROWS
+    assert gemv.tuned_choices()[(GEMV_N + 40 + rows, GEMV_K, block_m, torch.float16)] is chosen
+
+
+def test_default_gemv_configs_fit_their_shapes():
+    # The fixed configs a start takes for a shape no tuning has seen must be ones the pruning
+    # keeps: an FMA accumulator that fits, split-K only where the columns leave SMs idle.
+    for n, k in [(6144, 4096), (4096, 4096), (4096, 14336), (128256, 4096), (70, 300)]:
+        for block_m, fma in [(1, True), (gemv.DOT_ROWS, False)]:
+            config = gemv.default_config(n, k, block_m, 132, fma)
+            assert gemv.config_fits(config, block_m, n, k, 132, fma), (n, k, block_m, config)
+    assert gemv.default_config(4096, 4096, gemv.DOT_ROWS, 132, False).kwargs["SPLIT_K"] == 2
+    assert gemv.default_config(28672, 4096, gemv.DOT_ROWS, 132, False).kwargs["SPLIT_K"] == 1
 
 
 @pytest.mark.parametrize("kernel,rows", [("fma", 1), ("fma", 3), ("dot", 2), ("dot", 11)])

@@ -10,6 +10,7 @@ import torch
 
 from kiln.compile import CompiledModel, compile_model
 from kiln.compile.cache import CompileCache
+from kiln.compile.cache import triton_kernels
 from kiln.compile.cache.preload import preload_if_warm
 from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
 from kiln.cudagraph import CudagraphChoice, CudagraphDispatcher, ForwardCudagraphs, PackedStep, StepBuffers
@@ -76,16 +77,18 @@ class ModelRunner:
         self.block_size = config.block_size
         self.custom_ops = config.resolved_custom_ops()
         cache = compile_cache(source, self.dtype, self.custom_ops)
+        if self.device.type == "cuda":  # kiln's own kernels compile into the cache root (where one is on)
+            triton_kernels.use_cache_root(cache.root.path) if cache is not None else triton_kernels.listen()
         # A warm start's once-per-process work (imports, torch's and Triton's keys) runs while the weights load.
         preload_if_warm(config.compilation_config, cache, self.device)
         with timeline.phase("weights"):
             self.model = build_model(source.config, self.dtype, self.device, self.custom_ops,
-                                     source.weights() if source.weights else None)
+                                     source.weights() if source.weights and config.load_format == "auto" else None)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.compiled = compile_forward(self.model, config, cache, timeline)
         if "skinny_linear" in self.custom_ops and self.device.type == "cuda":
-            with timeline.phase("gemv_tuning"):
-                self._tune_gemv()
+            with timeline.phase("gemv"):
+                self._warm_gemv()
         with timeline.phase("kv_cache"):
             self.num_blocks = self._num_kv_blocks()
             self.kv_caches = {
@@ -108,6 +111,10 @@ class ModelRunner:
         if self.cudagraphs.dispatcher.captures():
             with timeline.phase("cudagraphs"):
                 self.cudagraphs.capture_all(self.kv_caches)
+        if self.device.type == "cuda":
+            kernels = triton_kernels.counts()
+            logger.info("Triton: %d kernels compiled at start-up, %d loaded from its cache", kernels["compiled"],
+                        kernels["cache_hits"])
 
     @property
     def bytes_per_block(self) -> int:
@@ -121,10 +128,11 @@ class ModelRunner:
             return int(self.config.kv_cache_gib * 2**30) // self.bytes_per_block
         return self._profile_gpu_blocks()
 
-    def _tune_gemv(self) -> None:
-        """The GEMV autotunes each weight shape once per row bucket, with a scratch buffer to
-        flush L2: before the KV cache takes that memory, and before serving (a step's logits
-        are computed outside its CUDA graph, so they are tuned here too)."""
+    def _warm_gemv(self) -> None:
+        """Launch the GEMV once per weight shape and row bucket: its kernels compile (or load
+        from Triton's cache) here, before serving (a step's logits are computed outside its CUDA
+        graph). Under kiln prewarm this is where unknown shapes are autotuned: before the KV
+        cache takes the memory the timing needs."""
         rows = [r for r in GEMV_ROW_BUCKETS if r <= self.config.max_num_batched_tokens]
         with torch.inference_mode(), set_forward_context(None, {}):
             for n in rows:

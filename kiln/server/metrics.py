@@ -12,6 +12,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kiln.compile.cache import triton_kernels
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.llm_engine import RequestOutput
 
@@ -83,12 +84,9 @@ class RequestTimer:
 
 
 def _compile_cache_counters(engine) -> tuple[int, int]:
-    """(hits, misses) from the compile monitor of the runner's compiled model, if it has one."""
-    for value in vars(engine.runner).values():
-        counters = getattr(getattr(value, "monitor", None), "counters", None)
-        if counters is not None and hasattr(counters, "cache_hits"):
-            return counters.cache_hits, counters.cache_misses
-    return 0, 0
+    """(hits, misses) from the compile monitor of the runner's compiled model."""
+    counters = engine.runner.compiled.monitor.counters
+    return counters.cache_hits, counters.cache_misses
 
 
 class _EngineCollector:
@@ -121,6 +119,17 @@ class _EngineCollector:
                      f"timeline phase {', '.join(CAPTURE_PHASES)}; 0 when the engine recorded none",
                      sum(info["phases_s"].get(p, 0.0) for p in CAPTURE_PHASES))
 
+        kernels = triton_kernels.counts()
+        yield CounterMetricFamily("kiln_triton_kernels_compiled", "Kernels Triton compiled in this process (kiln's "
+                                  "own; Inductor's compile workers are not seen); 0 on a start from an imported "
+                                  "or warm cache root", value=kernels["compiled"])
+        yield CounterMetricFamily("kiln_triton_kernels_cached", "Kernels Triton found in its cache in this process",
+                                  value=kernels["cache_hits"])
+        stats = self.engine.engine.runner.compiled.stats if self.engine.engine else {}
+        yield CounterMetricFamily("kiln_inductor_compiles", "Piece compiles Inductor ran at start-up (0 on a "
+                                  "warm start)", value=stats.get("inductor_compiles", 0))
+        yield CounterMetricFamily("kiln_dynamo_graphs", "Graphs Dynamo traced (0 on a warm start, which skips "
+                                  "Dynamo)", value=stats.get("graphs_seen", 0))
         hits, misses = _compile_cache_counters(self.engine.engine) if self.engine.engine else (0, 0)
         yield CounterMetricFamily("kiln_compile_cache_hits", "Pieces loaded from kiln's compile cache "
                                   "or served from Inductor's, from the compiled model's monitor; 0 when "

@@ -1,9 +1,12 @@
-"""`kiln cache ls | verify | clear | diff`: look after the compile cache (KILN_CACHE_ROOT).
+"""`kiln cache ls | verify | clear | diff | export | import`: look after the compile cache
+(KILN_CACHE_ROOT).
 
     kiln cache ls                 every entry: model, device, size, age, complete or not, shapes
     kiln cache verify [KEY ...]   every file against its checksum in the manifest
     kiln cache clear KEY ... | --all
     kiln cache diff A B           why two keys differ, factor by factor
+    kiln cache export [KEY ...] -o FILE   entries, the Triton kernel cache and the tuning, in one file
+    kiln cache import FILE        checked whole, then unpacked into this cache root
 
 A KEY may be shortened to any unique prefix.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from pathlib import Path
 
 from kiln.compile.cache import CacheEntry, CacheRoot
 from kiln.compile.cache.key import FACTORS
@@ -107,6 +111,15 @@ def _show(value) -> str:
     return "(absent)" if value is _MISSING else json.dumps(value)
 
 
+def describe_archive(path, manifest: dict, verb: str) -> str:
+    files = manifest["files"]
+    kernels = sum(1 for name in files if name.startswith("triton/"))
+    entries = ", ".join(f"{key} ({model})" for key, model in manifest.get("models", {}).items()) or "no entries"
+    return (f"{verb} {path}: {entries}; {kernels} Triton kernel-cache files; {len(files)} files, "
+            f"{_size(sum(f['bytes'] for f in files.values()))}; made with kiln {manifest['kiln']}, torch "
+            f"{manifest['torch']}, triton {manifest['triton']}, GPU {manifest['gpu'] or 'none'}")
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -137,6 +150,11 @@ def register(commands) -> None:
     compare = sub.add_parser("diff", help="why two entries' keys differ, factor by factor")
     compare.add_argument("a")
     compare.add_argument("b")
+    out = sub.add_parser("export", help="entries, Triton's kernel cache and the GEMV tuning of this root in one file")
+    out.add_argument("keys", nargs="*", help="entry keys or unique prefixes (none: only kernels and tuning)")
+    out.add_argument("-o", "--output", required=True, help="the archive to write (a tar)")
+    into = sub.add_parser("import", help="check an archive whole, then unpack it into this cache root")
+    into.add_argument("file")
     cache.set_defaults(func=run)
 
 
@@ -151,6 +169,16 @@ def run(args) -> int:
         return 0 if ok else 1
     if args.cache_command == "clear":
         print("\n".join(clear(root, args.keys, args.all)))
+        return 0
+    if args.cache_command == "export":
+        from kiln.compile.cache.archive import export
+
+        print(describe_archive(args.output, export(root, args.keys, Path(args.output)), "wrote"))
+        return 0
+    if args.cache_command == "import":
+        from kiln.compile.cache.archive import import_archive
+
+        print(describe_archive(args.file, import_archive(root, Path(args.file)), f"imported into {root.path} from"))
         return 0
     print("\n".join(diff(root, args.a, args.b)))
     return 0

@@ -16,6 +16,7 @@ server start on a GPU (a few seconds, benchmarks/results/cudagraphs_*.json).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -42,71 +43,109 @@ def read_shapes(path: str | Path) -> dict:
     return shapes
 
 
-def with_shapes(compilation: CompilationConfig, shapes: dict) -> CompilationConfig:
+def with_shapes(compilation: CompilationConfig, shapes: dict, device: str) -> CompilationConfig:
     """The compile settings with the manifest's ranges and sizes, every one compiled ahead."""
-    if compilation.mode != 3:
-        raise ValueError(f"kiln prewarm fills the cache of piecewise compilation (mode 3, -O1..-O3); "
-                         f"mode {compilation.mode} keeps no cache")
+    if compilation.mode != 3 and not (compilation.mode == 0 and device == "cuda"):
+        raise ValueError(f"kiln prewarm fills the compile cache of piecewise compilation (mode 3, -O1..-O3), "
+                         f"and on a GPU the kernel cache of any mode; mode {compilation.mode} on {device} keeps "
+                         f"nothing")
     overrides = {k: shapes[k] for k in MANIFEST_KEYS if k in shapes}
     # Strategy is not part of the cache key: compiling everything now serves a lazy server too.
-    return dataclasses.replace(compilation, strategy="eager", **overrides)
+    return dataclasses.replace(compilation, strategy="eager", **overrides) if compilation.mode == 3 else \
+        dataclasses.replace(compilation, **overrides)
 
 
 def prewarm(config: EngineConfig) -> dict:
-    """Compile (or load) every range and size of `config` into its cache entry; the coverage."""
-    from kiln.engine.runner import compile_cache, compile_forward
-    from kiln.engine.timeline import StartupTimeline
-    from kiln.loader import load_source
-    from kiln.models import build_model
+    """Start an engine as a server with `config` would, on random weights (compiled code and
+    kernels depend on shapes, not values): every range and size compiles into the compile-cache
+    entry, and on a GPU every kernel compiles into the cache root's Triton cache while the GEMV
+    is tuned for each shape and the picks are kept. Returns what the entry and root now hold."""
+    from kiln.compile.cache import cache_disabled
+    from kiln.compile.cache.triton_kernels import counts
+    from kiln.engine import LLMEngine
     from kiln.tools.inspect_cmd import cuda_graphs_report
 
-    source = load_source(config.model)
-    dtype, device = config.torch_dtype, config.torch_device
-    custom_ops = config.resolved_custom_ops()
-    cache = compile_cache(source, dtype, custom_ops)
-    if cache is None:
+    if cache_disabled():
         raise ValueError("the compile cache is off (KILN_DISABLE_COMPILE_CACHE is set): nothing to prewarm")
-    model = build_model(source.config, dtype, device, custom_ops, None)
+    config = dataclasses.replace(config, load_format="dummy")
+    on_gpu = config.torch_device.type == "cuda"
     start = time.perf_counter()
-    compiled = compile_forward(model, config, cache, StartupTimeline())
-    seconds = time.perf_counter() - start
-    entry = compiled.entry
-    if entry is None:
-        raise RuntimeError("the forward was compiled but no cache entry was written; see the log")
-    return {"key": entry.key, "path": str(entry.path), "model": source.name, "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."), "describe": compiled.describe(),
-            "coverage": entry.coverage(), "complete": entry.complete(), "graph": entry.manifest.get("graph"),
-            "cuda_graphs": cuda_graphs_report(config), "seconds": seconds, "stats": compiled.stats}
+    with _gemv_tuning(on_gpu):
+        engine = LLMEngine(config)
+    try:
+        seconds = time.perf_counter() - start
+        compiled = engine.runner.compiled
+        entry = compiled.entry
+        if compiled.mode == 3 and entry is None:
+            raise RuntimeError("the forward was compiled but no cache entry was written; see the log")
+        tuned = _keep_gemv_choices(config.torch_device) if on_gpu else 0
+        report = {"key": entry.key if entry else None, "path": str(entry.path) if entry else None,
+                  "model": engine.source.name, "device": str(config.torch_device),
+                  "dtype": str(config.torch_dtype).removeprefix("torch."), "describe": compiled.describe(),
+                  "coverage": entry.coverage() if entry else None, "complete": entry.complete() if entry else True,
+                  "graph": entry.manifest.get("graph") if entry else None,
+                  "cuda_graphs": cuda_graphs_report(config), "seconds": seconds, "stats": compiled.stats,
+                  "triton": counts(), "gemv_tuned": tuned}
+    finally:
+        engine.shutdown()
+    return report
+
+
+def _gemv_tuning(on_gpu: bool):
+    if not on_gpu:
+        return contextlib.nullcontext()
+    from kiln.ops.triton import gemv_configs
+
+    return gemv_configs.tuning()
+
+
+def _keep_gemv_choices(device) -> int:
+    from kiln.ops.triton import gemv, gemv_configs
+
+    return gemv_configs.keep(device, gemv.tuned_choices())
 
 
 def render(report: dict) -> str:
-    cover, stats, graph = report["coverage"], report["stats"], report["graph"] or {}
-    ranges = ", ".join(f"[{lo}, {hi}]" for lo, hi in cover["ranges"]) or "none"
-    sizes = ", ".join(map(str, cover["sizes"])) or "none"
-    lines = [
-        f"cache entry {report['key']} ({report['path']})",
-        f"  model {report['model']} on {report['device']}, {report['dtype']}: {report['describe']}",
-        f"  graph: {graph.get('pieces', '?')} pieces ({graph.get('unique_pieces', '?')} unique), "
-        f"{graph.get('opaque_regions', '?')} opaque regions; "
-        + ("warm starts skip Dynamo" if graph.get("direct_call") else "warm starts run Dynamo (no direct call)"),
-        f"  ranges: {ranges}",
-        f"  sizes: {sizes}",
-        "  CUDA graph buckets (captured at each start on a GPU; graphs cannot be stored): " + "; ".join(
-            f"{phase} {g['mode']} {', '.join(map(str, g['buckets'])) or '(none)'}"
-            for phase, g in ((p, report["cuda_graphs"][p]) for p in ("decode", "prefill")))
-        + ("" if report["cuda_graphs"]["enabled"] else " (no CUDA device here: nothing is captured)"),
-        f"  missing: {', '.join(cover['missing']) or 'none'} -> {'complete' if report['complete'] else 'INCOMPLETE'}",
-        f"  this run: {stats['inductor_compiles']} Inductor compiles, {stats['pieces_loaded']} artifacts loaded, "
-        f"{report['seconds']:.1f} s",
-    ]
+    stats, graph = report["stats"], report["graph"] or {}
+    graphs = report["cuda_graphs"]
+    lines = []
+    if report["key"] is None:
+        lines.append(f"no compile-cache entry: the forward of {report['model']} is not compiled "
+                     f"({report['describe']}); what a start compiles is kiln's kernels")
+    else:
+        cover = report["coverage"]
+        lines += [
+            f"cache entry {report['key']} ({report['path']})",
+            f"  model {report['model']} on {report['device']}, {report['dtype']}: {report['describe']}",
+            f"  graph: {graph.get('pieces', '?')} pieces ({graph.get('unique_pieces', '?')} unique), "
+            f"{graph.get('opaque_regions', '?')} opaque regions; "
+            + ("warm starts skip Dynamo" if graph.get("direct_call") else "warm starts run Dynamo (no direct call)"),
+            f"  ranges: {', '.join(f'[{lo}, {hi}]' for lo, hi in cover['ranges']) or 'none'}",
+            f"  sizes: {', '.join(map(str, cover['sizes'])) or 'none'}"]
+    lines.append("  CUDA graph buckets (captured at each start on a GPU; graphs cannot be stored): " + "; ".join(
+        f"{phase} {g['mode']} {', '.join(map(str, g['buckets'])) or '(none)'}"
+        for phase, g in ((p, graphs[p]) for p in ("decode", "prefill")))
+        + ("" if graphs["enabled"] else " (no CUDA device here: nothing is captured)"))
+    if report["device"].startswith("cuda"):
+        lines.append(f"  kernels: {report['triton']['compiled']} Triton kernels compiled, "
+                     f"{report['triton']['cache_hits']} found in the cache; GEMV configs kept for "
+                     f"{report['gemv_tuned']} shapes")
+    if report["key"] is not None:
+        missing = report["coverage"]["missing"]
+        lines.append(f"  missing: {', '.join(missing) or 'none'} -> {'complete' if report['complete'] else 'INCOMPLETE'}")
+    lines.append(f"  this run: {stats['inductor_compiles']} Inductor compiles, {stats['pieces_loaded']} artifacts "
+                 f"loaded, {report['seconds']:.1f} s")
     return "\n".join(lines)
 
 
 def register(commands) -> None:
-    p = commands.add_parser("prewarm", help="compile everything a server needs into the compile cache; "
-                                            "print what the entry covers")
+    p = commands.add_parser("prewarm", help="compile everything a server start needs into the cache root (the "
+                                            "compile entry; on a GPU kiln's kernels and GEMV configs); print "
+                                            "what it holds")
     p.add_argument("--manifest", default=None,
                    help="JSON with compile_ranges, compile_sizes, cudagraph_capture_sizes (each optional)")
+    p.add_argument("--export", default=None, metavar="FILE",
+                   help="then write the entry, the kernel cache and the tuning into FILE (kiln cache import FILE)")
     EngineConfig.add_arguments(p)
     p.set_defaults(func=run)
 
@@ -114,8 +153,18 @@ def register(commands) -> None:
 def run(args) -> int:
     shapes = read_shapes(args.manifest) if args.manifest else {}
     compilation = CompilationConfig.from_args(args) or CompilationConfig.level(DEFAULT_COMPILATION_LEVEL)
-    config = EngineConfig.from_args(args, compilation=with_shapes(compilation, shapes))
+    config = EngineConfig.from_args(args)
+    config = dataclasses.replace(config, compilation=with_shapes(compilation, shapes, config.torch_device.type))
     with torch.inference_mode():
         report = prewarm(config)
     print(render(report))
-    return 0 if report["complete"] else 1
+    if not report["complete"]:
+        return 1
+    if args.export:
+        from kiln.compile.cache import CacheRoot
+        from kiln.compile.cache.archive import export
+        from kiln.tools.cache_cli import describe_archive
+
+        manifest = export(CacheRoot(), [report["key"]] if report["key"] else [], Path(args.export))
+        print(describe_archive(args.export, manifest, "wrote"))
+    return 0

@@ -114,7 +114,7 @@ class CacheEntry:
     def _create(self, info: dict) -> dict:
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         now = _now()
-        return {"key": self.key, "kiln": _kiln_version(), **info, "created": now, "updated": now,
+        return {"key": self.key, "kiln": kiln_version(), **info, "created": now, "updated": now,
                 "shapes": {}, "graph": None, "files": {}}
 
     def bad_files(self) -> list[str]:
@@ -366,7 +366,7 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def _kiln_version() -> str:
+def kiln_version() -> str:
     try:
         return importlib.metadata.version("kiln")
     except importlib.metadata.PackageNotFoundError:

@@ -26,9 +26,11 @@ in a CUDA graph (the counters are a persistent zeroed buffer that every launch l
 zeroed). The counters are shared by all launches on a device: launches that could overlap
 (two streams at once) are not supported.
 
-Configs are autotuned per (N, K, padded rows, dtype) on the first call of a shape, which in
-kiln is the warm-up before CUDA-graph capture; configs that cannot help a shape (too many
-registers for its row count, split-K where the columns alone fill the GPU) are pruned.
+A launch takes the config kiln.ops.triton.gemv_configs knows for its (N, K, padded rows,
+dtype): kept by kiln prewarm, or from kiln's table, else a fixed one; nothing is timed on a
+start. Inside gemv_configs.tuning() (kiln prewarm) an unknown shape is autotuned instead;
+configs that cannot help a shape (too many registers for its row count, split-K where the
+columns alone fill the GPU) are pruned.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ import time
 import torch
 import triton
 import triton.language as tl
+
+from kiln.ops.triton import gemv_configs
 
 MAX_ROWS = 16  # above this, callers use cuBLAS
 # Measured on the H200 (benchmarks/gemv.py): the FMA kernel wins at one row (qkv 1.14x,
@@ -232,11 +236,52 @@ def _bench(fn, quantiles):
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
+def default_config(N: int, K: int, block_m: int, num_sms: int, fma: bool) -> triton.Config:
+    """A config that suits any shape, for one no tuning has seen: the FMA kernel's widest K
+    chunk, the dot kernel's 64x128 tile, split in two where the column tiles leave SMs idle."""
+    if fma:
+        wanted = _config(8, 512 if K >= 512 else 256, 1, 4, 3)
+    else:
+        wanted = _config(64, 128, 2 if triton.cdiv(N, 64) < num_sms else 1, 4, 4)
+    if config_fits(wanted, block_m, N, K, num_sms, fma):
+        return wanted
+    return _fitting(FMA_CONFIGS if fma else DOT_CONFIGS, block_m, N, K, num_sms, fma)[0]
+
+
+_launch_configs: dict[tuple, triton.Config] = {}
+
+
+def launch_config(device: torch.device, N: int, K: int, block_m: int, dtype: torch.dtype,
+                  fma: bool) -> triton.Config | None:
+    """The config a launch of this shape takes; None while tuning a shape kiln knows no config
+    for (the autotuner picks)."""
+    key = (device, N, K, block_m, dtype, fma)
+    config = _launch_configs.get(key)
+    if config is None:
+        known = gemv_configs.known(device, N, K, block_m, dtype)
+        if known is None and gemv_configs.is_tuning():
+            return None
+        if known is None:
+            gemv_configs.log_default_once(device)
+        config = _config(*known) if known else default_config(N, K, block_m, _num_sms(device), fma)
+        _launch_configs[key] = config
+    return config
+
+
+def tuned_choices() -> dict[tuple, triton.Config]:
+    """What the autotuner picked in this process: (N, K, padded rows, dtype) -> config."""
+    choices = {}
+    for autotuned in (fma_kernel, dot_kernel):
+        for key, config in autotuned.cache.items():
+            dtype = next((d for d in (torch.bfloat16, torch.float16, torch.float32) if str(d) in key[3:]), None)
+            if dtype is not None:
+                choices[(*key[:3], dtype)] = config
+    return choices
+
+
 _KEY = ["N", "K", "BLOCK_M"]
 _even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
-# cache_results: the timings go to Triton's cache dir, so only a machine's first start pays
-# for them (on the H200 that first start spent 11.7 s compiling and timing every config for
-# the Llama-3-8B shapes, mostly compiling, which Triton's kernel cache also keeps).
+# Autotuned only while gemv_configs.tuning(); the timings also go to Triton's cache dir.
 fma_kernel = triton.autotune(FMA_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune(True)},
                              do_bench=_bench, cache_results=True)(_even_k(_gemv_fma_kernel))
 dot_kernel = triton.autotune(DOT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune(False)},
@@ -262,7 +307,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
 
     Accumulates in fp32; the result has x's dtype. `out` ([rows, N] or x.shape[:-1] + (N,),
     last dim contiguous) receives it if given. `kernel` ("fma" / "dot") and `config` force a
-    kernel and a config instead of the row-count rule and the autotuner (tests, benchmarks).
+    kernel and a config instead of the row-count rule and launch_config (tests, benchmarks).
     """
     K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1:
@@ -298,6 +343,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     if not fma and M > DOT_ROWS:
         raise ValueError(f"skinny_matmul: the dot kernel takes at most {DOT_ROWS} rows")
     autotuned = fma_kernel if fma else dot_kernel
+    if config is None:
+        config = launch_config(x.device, N, K, block_m, x.dtype, fma)
     candidates = [config] if config is not None else _fitting(autotuned.configs, block_m, N, K,
                                                             _num_sms(x.device), fma)
     max_split = max(c.kwargs["SPLIT_K"] for c in candidates)

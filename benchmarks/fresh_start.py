@@ -1,0 +1,172 @@
+"""A fresh machine's start, three ways, beside stock torch.compile's first call (a benchmark,
+not a test): prints, writes JSON.
+
+    python benchmarks/fresh_start.py --out $OUT                       (on the GPU: llama-3-8b)
+    OMP_NUM_THREADS=1 python benchmarks/fresh_start.py --device cpu --model smollm2 --modes O2 --no-reference
+
+Per kiln mode (`default`: no compile flag, the eager forward with full decode graphs on a
+GPU; `O2`), each a fresh process building the engine as `kiln serve` would:
+
+    cold      every cache fresh: kiln's root, Inductor's and Triton's dirs
+    imported  `kiln prewarm --export FILE` on one fresh root, then a second fresh root (and
+              fresh Inductor and Triton dirs) that `kiln cache import FILE` filled
+    warm      the imported root again: a restart on the same machine
+
+and the first call of benchmarks/reference_decode.py (a static-cache decode loop under
+torch.compile(mode="reduce-overhead", fullgraph=True)) at batch 1, in the same run.
+Bytecode is cached under a prefix, as on a pip install, primed by one untimed import.
+
+For each start: engine_ready_s (the engine's own timeline, weights included), process_ready_s
+(process spawned to engine ready: imports too), compile_phase_s (dynamo + split + inductor +
+cache_load), capture_s (CUDA graphs), triton_compiles (kernels Triton compiled in the process),
+inductor_compiles, dynamo_graphs. JSON: --out/fresh_start_<device>.json.
+"""
+
+from __future__ import annotations
+
+import time
+
+SPAWNED = time.time()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPILE_PHASES = ("dynamo", "split", "inductor", "cache_load")
+MODES = {"default": [], "O2": ["-O2"]}
+# prewarm's flags for a mode: with no flag it prewarms -O2; the engine's default forward is
+# -O0 with full decode graphs on a GPU.
+PREWARM_FLAGS = {"default": ["-O0", "-cc.cudagraph_mode=FULL_DECODE_ONLY"], "O2": ["-O2"]}
+
+
+def child(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(ROOT))
+    from kiln.compile.cache import triton_kernels
+    from kiln.compile.config import parse_compilation_args
+    from kiln.config import EngineConfig
+    from kiln.engine import LLMEngine
+
+    flags = MODES[args.mode]
+    compilation = parse_compilation_args(flags)[1] if flags else None
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, compilation=compilation))
+    ready = time.time()
+    phases = engine.timeline.as_dict()["phases_s"]
+    stats = engine.runner.compiled.stats
+    print(json.dumps({
+        "ready_wall": ready, "engine_ready_s": engine.timeline.ready_seconds, "phases_s": phases,
+        "compile_phase_s": sum(phases.get(p, 0.0) for p in COMPILE_PHASES), "capture_s": phases.get("cudagraphs", 0.0),
+        "triton_compiles": triton_kernels.counts()["compiled"], "triton_cache_hits": triton_kernels.counts()["cache_hits"],
+        "inductor_compiles": stats["inductor_compiles"], "dynamo_graphs": stats["graphs_seen"],
+        "describe": engine.runner.compiled.describe()}))
+
+
+class Sandbox:
+    """Fresh cache directories for one case; the process environment that uses them."""
+
+    def __init__(self, base: Path, name: str, pycache: Path):
+        self.dir = base / name
+        self.env = dict(os.environ, KILN_CACHE_ROOT=str(self.dir / "kiln"), PYTHONPYCACHEPREFIX=str(pycache),
+                        TORCHINDUCTOR_CACHE_DIR=str(self.dir / "inductor"), PYTHONUNBUFFERED="1",
+                        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        self.env.pop("PYTHONDONTWRITEBYTECODE", None)  # bytecode is written and read, as on a pip install
+        # kiln keeps its kernels in its root; anything else Triton compiles goes to a fresh dir too.
+        self.env.pop("TRITON_CACHE_DIR", None)
+        self.env["TRITON_HOME"] = str(self.dir / "triton-home")
+
+    def run(self, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+        done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            sys.stderr.write(done.stderr[-4000:])
+            raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({done.returncode})")
+        return done
+
+    def start(self, args, mode: str) -> dict:
+        spawned = time.time()
+        done = self.run([sys.executable, __file__, "--child", "--mode", mode, "--model", args.model,
+                         "--device", args.device], args.timeout)
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        out["process_ready_s"] = out.pop("ready_wall") - spawned
+        return out
+
+
+def kiln(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "kiln.cli", *argv]
+
+
+def measure_mode(args, mode: str, base: Path, pycache: Path) -> dict:
+    cases = {"cold": Sandbox(base, f"{mode}-cold", pycache).start(args, mode)}
+    archive = base / f"{mode}.tar"
+    made = Sandbox(base, f"{mode}-prewarm", pycache)
+    start = time.perf_counter()
+    made.run(kiln("prewarm", "--model", args.model, "--device", args.device, *PREWARM_FLAGS[mode],
+                  "--export", str(archive)), args.timeout)
+    prewarm_s = time.perf_counter() - start
+    fresh = Sandbox(base, f"{mode}-imported", pycache)
+    start = time.perf_counter()
+    fresh.run(kiln("cache", "import", str(archive)), args.timeout)
+    import_s = time.perf_counter() - start
+    cases["imported"] = {**fresh.start(args, mode), "import_s": import_s}
+    cases["warm"] = fresh.start(args, mode)
+    cases["prewarm_export"] = {"seconds": prewarm_s, "archive_bytes": archive.stat().st_size}
+    return cases
+
+
+def reference_first_call(args, base: Path, pycache: Path) -> dict:
+    box = Sandbox(base, "reference", pycache)
+    done = box.run([sys.executable, str(ROOT / "benchmarks" / "reference_decode.py"), "--device", args.device,
+                    "--batches", "1", "--steps", "5", "--out", str(box.dir)], args.timeout)
+    sys.stdout.write(done.stdout)
+    return json.loads((box.dir / f"reference_decode_{args.device}.json").read_text())["results"][0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="default", choices=list(MODES))
+    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    base = Path(tempfile.mkdtemp(prefix="kiln-fresh-"))
+    pycache = base / "pycache"
+    try:
+        Sandbox(base, "prime", pycache).run([sys.executable, "-c", "import kiln.engine, kiln.compile.backend, "
+                                             "torch._inductor.compile_fx"], args.timeout)
+        report = {"model": args.model, "device": args.device, "modes": {}}
+        for mode in args.modes:
+            report["modes"][mode] = measure_mode(args, mode, base, pycache)
+            for case in ("cold", "imported", "warm"):
+                r = report["modes"][mode][case]
+                print(f"{mode:8s} {case:9s} engine ready {r['engine_ready_s']:6.2f} s, process ready "
+                      f"{r['process_ready_s']:6.2f} s, compile {r['compile_phase_s']:5.2f} s, capture "
+                      f"{r['capture_s']:5.2f} s, Triton compiles {r['triton_compiles']}, Inductor compiles "
+                      f"{r['inductor_compiles']}, Dynamo graphs {r['dynamo_graphs']}", flush=True)
+        if not args.no_reference:
+            ref = reference_first_call(args, base, pycache)
+            report["reference"] = ref
+            report["reference_first_call_s"] = ref["first_call_s"]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    import torch
+
+    report["torch"] = torch.__version__
+    report["gpu"] = torch.cuda.get_device_name() if args.device == "cuda" else None
+    path = Path(args.out) / f"fresh_start_{args.device}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Triton's kernel cache inside kiln's cache root, and a count of the kernels Triton compiles.
+
+Kernels launched outside Inductor (kiln's own GEMV, attention, norms, rotary) compile on
+their first launch into Triton's cache dir, ~/.triton/cache unless TRITON_CACHE_DIR says
+otherwise. kiln points Triton at <cache root>/triton instead, so that what a start compiled
+travels with `kiln cache export` and an imported root has nothing left to compile. An
+explicit TRITON_CACHE_DIR wins. Triton keys each kernel by its source, its own version and
+the GPU target, so one directory serves every model and GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TRITON_DIR = "triton"
+
+_counts = {"compiled": 0, "cache_hits": 0}
+_listening = False
+
+
+def use_cache_root(root: Path) -> Path | None:
+    """Point Triton's kernel cache at `root`/triton (unless TRITON_CACHE_DIR is set) and start
+    counting compiles; returns the directory in use, or None when the user's wins."""
+    listen()
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return None
+    from triton import knobs
+
+    path = root / TRITON_DIR
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    knobs.cache.dir = str(path)
+    return path
+
+
+def listen() -> None:
+    """Count every kernel Triton compiles or finds in its cache, from now on (in this process)."""
+    global _listening
+    if _listening:
+        return
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton (a CPU-only install): nothing compiles
+        return
+    previous = knobs.compilation.listener
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit):
+        _counts["cache_hits" if cache_hit else "compiled"] += 1
+        if previous is not None:
+            previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+    knobs.compilation.listener = listener
+    _listening = True
+
+
+def counts() -> dict[str, int]:
+    """{"compiled": kernels Triton compiled in this process, "cache_hits": found in its cache}.
+    Inductor's own compiles in its worker processes are not seen here."""
+    return dict(_counts)

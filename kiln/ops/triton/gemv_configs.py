@@ -1,0 +1,115 @@
+"""Which config the GEMV kernels launch with, found without timing anything on a start.
+
+Autotuning compiles and times every candidate on a machine's first start (11.7 s for the
+Llama-3-8B shapes on the H200). So a start takes, in order: the configs `kiln prewarm` tuned
+on this GPU and kept in kiln's cache root; the table below, tuned on the GPUs named in it;
+else a fixed config that suits any shape (kiln.ops.triton.gemv, logged once). The
+autotuner runs only inside `tuning()`, which prewarm enters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+
+import torch
+import triton
+
+logger = logging.getLogger("kiln")
+
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) per (N, K, padded rows), bf16: the
+# autotuner's picks in benchmarks/gemv.py on an H200 (benchmarks/results/gemv_cuda.json:
+# Llama-3-8B's qkv, o_proj, gate_up, down and lm_head; one row takes the FMA kernel, 2-16
+# rows the dot kernel padded to 16).
+TUNED = {
+    "NVIDIA H200": {
+        (6144, 4096, 1): (8, 512, 1, 4, 3), (4096, 4096, 1): (8, 512, 1, 4, 3),
+        (28672, 4096, 1): (16, 256, 1, 4, 4), (4096, 14336, 1): (8, 512, 1, 4, 3),
+        (128256, 4096, 1): (16, 256, 1, 4, 4),
+        (6144, 4096, 16): (64, 256, 1, 4, 3), (4096, 4096, 16): (32, 256, 2, 4, 4),
+        (28672, 4096, 16): (64, 128, 1, 4, 4), (4096, 14336, 16): (64, 128, 2, 4, 4),
+        (128256, 4096, 16): (64, 128, 1, 4, 4),
+    },
+}
+TUNED_FILE = "gemv.json"  # under <cache root>/tuning/, written by kiln prewarm
+
+_tuning = False
+_kept: dict[str, dict] | None = None  # the tuned file, read once a process
+_logged_default = False
+
+
+def is_tuning() -> bool:
+    return _tuning
+
+
+@contextlib.contextmanager
+def tuning():
+    """Inside: a shape with no kept config is autotuned (kiln prewarm's warm-up)."""
+    global _tuning
+    previous, _tuning = _tuning, True
+    try:
+        yield
+    finally:
+        _tuning = previous
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def known(device: torch.device, N: int, K: int, block_m: int, dtype: torch.dtype) -> tuple | None:
+    """A kept or tabled config for this shape, or None."""
+    name = device_name(device)
+    kept = _kept_configs().get(_file_key(name, dtype), {}).get(f"{N},{K},{block_m}")
+    if kept is not None:
+        return tuple(kept)
+    return TUNED.get(name, {}).get((N, K, block_m)) if dtype == torch.bfloat16 else None
+
+
+def log_default_once(device: torch.device) -> None:
+    global _logged_default
+    if not _logged_default:
+        _logged_default = True
+        logger.info("GEMV: no tuned configs for some shapes on %s (none kept by kiln prewarm, none in kiln's "
+                    "table): they launch with fixed configs; kiln prewarm tunes them once and keeps them",
+                    device_name(device))
+
+
+def _file_key(name: str, dtype: torch.dtype) -> str:
+    return f"{name}|triton {triton.__version__}|{str(dtype).removeprefix('torch.')}"
+
+
+def _tuned_path():
+    from kiln.compile.cache.store import cache_root
+
+    return cache_root() / "tuning" / TUNED_FILE
+
+
+def _kept_configs() -> dict[str, dict]:
+    global _kept
+    if _kept is None:
+        try:
+            _kept = json.loads(_tuned_path().read_text())
+        except (OSError, ValueError):
+            _kept = {}
+    return _kept
+
+
+def keep(device: torch.device, choices: dict[tuple, triton.Config]) -> int:
+    """Write the autotuner's `choices` ((N, K, padded rows, dtype) -> config) for this GPU into
+    the cache root, beside what was kept before; returns how many."""
+    from kiln.compile.cache.store import write_atomic
+
+    global _kept
+    path = _tuned_path()
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        kept = {}
+    for (N, K, block_m, dtype), c in choices.items():
+        kept.setdefault(_file_key(device_name(device), dtype), {})[f"{N},{K},{block_m}"] = [
+            c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages]
+    write_atomic(path, json.dumps(kept, indent=1, sort_keys=True).encode())
+    _kept = kept
+    return len(choices)
