@@ -5,8 +5,10 @@
 A Llama-shaped model with the layer count of Llama-3-8B (32) but tiny widths, captured in
 mode 3 with eager pieces (no Inductor), fresh each run: what is timed is Dynamo tracing the
 forward (the monitor's dynamo_s), which grows with the layers and the ops and Python frames
-in each, not with the widths. The median of --runs separate captures, with layer stamping (Dynamo traces
-each kind of layer once: kiln.compile.layer_stamping) and without, alternating, side by side.
+in each, not with the widths. The median of --runs separate captures, alternating, side by side:
+without layer stamping (plain), and with each stamping mechanism this torch has (Dynamo traces
+each kind of layer once: kiln.compile.layer_stamping): nested_compile_region (torch >= 2.12) and
+kiln (any torch).
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ from kiln.models import build_model  # noqa: E402
 from kiln.models.presets import PRESETS  # noqa: E402
 
 
-def trace_once(layers: int, tokens: int, stamp: bool) -> dict:
+def trace_once(layers: int, tokens: int, mechanism: str | None) -> dict:
     torch._dynamo.reset()
     cfg = dataclasses.replace(PRESETS["llama-3-8b"], num_layers=layers, hidden_size=256, intermediate_size=512,
                               num_heads=8, num_kv_heads=2, head_dim=32, vocab_size=1024)
     model = build_model(cfg, torch.float32, torch.device("cpu"), frozenset(), None)
-    config = CompilationConfig(mode=3, piece_compiler="eager", stamp_repeated_layers=stamp)
+    config = CompilationConfig(mode=3, piece_compiler="eager", stamp_repeated_layers=mechanism is not None,
+                               stamp_mechanism=mechanism or "auto")
     compiled = compile_model(model, config, 256)
     with torch.inference_mode():
         compiled(torch.randint(0, 1000, (tokens,)), torch.arange(tokens))
@@ -47,10 +50,13 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="folder for dynamo_trace_torch<version>.json")
     args = p.parse_args()
-    runs = {"stamped": [], "plain": []}
+    mechanisms = {"plain": None, "kiln": "kiln"}
+    if layer_stamping.supported():
+        mechanisms["nested_compile_region"] = "nested_compile_region"
+    runs = {name: [] for name in mechanisms}
     for _ in range(args.runs):
-        runs["stamped"].append(trace_once(args.layers, args.tokens, True))
-        runs["plain"].append(trace_once(args.layers, args.tokens, False))
+        for name, mechanism in mechanisms.items():
+            runs[name].append(trace_once(args.layers, args.tokens, mechanism))
     report = {"layers": args.layers, "tokens": args.tokens, "torch": torch.__version__,
               "stamping_supported": layer_stamping.supported()}
     for name, stats in runs.items():
@@ -61,8 +67,10 @@ def main() -> None:
         print(f"Dynamo trace of a {args.layers}-layer Llama, {name}: {', '.join(f'{t:.2f}' for t in dynamo)} s "
               f"(median {report[name]['dynamo_median_s']:.2f} s); {stats[0]['stamped_layers']} layers stamped, "
               f"{report[name]['pieces']} pieces, {report[name]['unique_pieces']} unique")
-    report["plain_over_stamped"] = report["plain"]["dynamo_median_s"] / report["stamped"]["dynamo_median_s"]
-    print(f"plain / stamped: {report['plain_over_stamped']:.2f}x")
+    for name in mechanisms:
+        if name != "plain":
+            report[f"plain_over_{name}"] = report["plain"]["dynamo_median_s"] / report[name]["dynamo_median_s"]
+            print(f"plain / {name}: {report[f'plain_over_{name}']:.2f}x")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         # Per torch version: whether it can stamp (>= 2.12) is the first thing this shows.

@@ -1,5 +1,6 @@
 """Layer stamping: Dynamo traces a repeated layer once, kiln inlines the stamped copies, and
-the graph is the one a plain trace gives, each layer's ops naming that layer."""
+the graph is the one a plain trace gives, each layer's ops naming that layer. Both mechanisms:
+nested_compile_region (torch >= 2.12) and kiln's own (any torch; what torch 2.11 gets)."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from kiln.compile.config import CompilationConfig
 needs_stamping = pytest.mark.skipif(not layer_stamping.supported(),
                                     reason="torch has no nested_compile_region(reuse_hash_fn=...) (< 2.12)")
 
+MECHANISMS = [pytest.param("nested_compile_region", marks=needs_stamping), "kiln"]
 graphs: list = []
 INPUTS = (torch.arange(6) * 37 % 512, torch.arange(6))
 
@@ -27,27 +29,28 @@ def _ops(gm) -> list:
             for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def _capture(model, stamp: bool):
+def _capture(model, stamp: bool, mechanism: str = "auto"):
     graphs.clear()
     compiled = compile_model(model, CompilationConfig(mode=2, backend="kiln_test_record",
-                                                      stamp_repeated_layers=stamp), 32)
+                                                      stamp_repeated_layers=stamp, stamp_mechanism=mechanism), 32)
     out = compiled(*INPUTS)
     assert len(graphs) == 1
     return graphs[0], out, compiled.stats
 
 
-@needs_stamping
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("odd_layer", [False, True])
-def test_stamped_graph_is_the_plain_trace(tiny_llama_factory, odd_layer):
+def test_stamped_graph_is_the_plain_trace(tiny_llama_factory, odd_layer, mechanism):
     model = tiny_llama_factory(5)
     if odd_layer:  # a layer unlike the others must be traced, not stamped from another
         model.model.layers[3].post_attention_layernorm.eps = 1e-2
     plain, plain_out, plain_stats = _capture(model, stamp=False)
-    stamped, stamped_out, stats = _capture(model, stamp=True)
+    stamped, stamped_out, stats = _capture(model, stamp=True, mechanism=mechanism)
     assert plain_stats["stamped_layers"] == 0
     # layer 0 (no residual yet) and layer 1 are traced; so is layer 3 when it differs
     assert stats["stamped_layers"] == (2 if odd_layer else 3)
-    assert not [n for n in stamped.graph.nodes if "invoke_subgraph" in str(n.target)]
+    assert not [n for n in stamped.graph.nodes if n.op == "call_function" and ("invoke_subgraph" in str(n.target)
+                                                                              or "kiln_stamp" in str(n.target))]
     assert _ops(stamped) == _ops(plain)
     names = [args[0] for target, args, _ in _ops(stamped) if target == "kiln.attention.default"]
     assert names == [f"model.layers.{i}.self_attn.attn" for i in range(5)]
@@ -59,10 +62,10 @@ def test_stamped_graph_is_the_plain_trace(tiny_llama_factory, odd_layer):
         assert len(eps) == 1
 
 
-@needs_stamping
-def test_piecewise_capture_stamps_and_matches_eager(tiny_llama_factory, caplog):
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_piecewise_capture_stamps_and_matches_eager(tiny_llama_factory, caplog, mechanism):
     model = tiny_llama_factory(4)
-    compiled = compile_model(model, CompilationConfig(mode=3, piece_compiler="eager"), 32)
+    compiled = compile_model(model, CompilationConfig(mode=3, piece_compiler="eager", stamp_mechanism=mechanism), 32)
     ids, pos = torch.randint(0, 512, (7,)), torch.arange(7)
     with caplog.at_level("INFO", logger="kiln.compile"):
         torch.testing.assert_close(compiled(ids, pos), model(ids, pos), rtol=0, atol=0)
@@ -72,20 +75,28 @@ def test_piecewise_capture_stamps_and_matches_eager(tiny_llama_factory, caplog):
     assert (stats["pieces"], stats["unique_pieces"], stats["opaque_regions"]) == (5, 3, 4)
     # the layer classes are themselves again after the capture
     assert "forward" in type(model.model.layers[0]).__dict__
-    assert not hasattr(model.model.layers[0], layer_stamping.KEY_ATTR)
+    for attr in (layer_stamping.KEY_ATTR, layer_stamping.INDEX_ATTR, layer_stamping.WEIGHTS_ATTR):
+        assert not hasattr(model.model.layers[0], attr)
 
 
-def test_without_support_every_layer_is_traced(tiny_llama_factory, monkeypatch, caplog):
-    monkeypatch.setattr(layer_stamping, "supported", lambda: False)
+def test_a_torch_without_reuse_hash_fn_stamps_with_kiln_s_own_mechanism(tiny_llama_factory, monkeypatch, caplog):
+    monkeypatch.setattr(layer_stamping, "supported", lambda: False)  # torch 2.11, the GPU machine's
+    model = tiny_llama_factory(4)
+    plain, _, _ = _capture(model, stamp=False)
     with caplog.at_level("INFO", logger="kiln.compile"):
-        _, _, stats = _capture(tiny_llama_factory(3), stamp=True)
-    assert stats["stamped_layers"] == 0
-    assert "Dynamo traces all 3 layers" in caplog.text
+        stamped, out, stats = _capture(model, stamp=True)
+    assert stats["stamped_layers"] == 2 and "4 repeated layers, kiln mechanism" in caplog.text
+    assert _ops(stamped) == _ops(plain)
+    torch.testing.assert_close(out, model(*INPUTS), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="'nested_compile_region' needs torch >= 2.12.*use 'auto' or 'kiln'"):
+        _capture(model, stamp=True, mechanism="nested_compile_region")
 
 
-def test_stamp_setting_must_be_a_bool():
+def test_stamp_settings_are_checked():
     with pytest.raises(ValueError, match="stamp_repeated_layers must be true or false"):
         CompilationConfig(stamp_repeated_layers="yes")
+    with pytest.raises(ValueError, match="stamp_mechanism must be one of auto, nested_compile_region, kiln"):
+        CompilationConfig(stamp_mechanism="sometimes")
 
 
 def test_path_change_reads_the_layer_from_a_weight_name():
@@ -112,9 +123,9 @@ class _RankChanging(torch.nn.Module):
         return self.b(self.a(x).unsqueeze(0))
 
 
-@needs_stamping
-def test_layers_called_on_unlike_inputs_fail_at_capture_naming_the_setting():
-    compiled = compile_model(_RankChanging(), CompilationConfig(mode=2, backend="eager"), 32)
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_layers_called_on_unlike_inputs_fail_at_capture_naming_the_setting(mechanism):
+    compiled = compile_model(_RankChanging(), CompilationConfig(mode=2, backend="eager", stamp_mechanism=mechanism), 32)
     with pytest.raises(CaptureError, match="not alike: set -cc.stamp_repeated_layers=false"):
         compiled(torch.ones(4, 3))
     off = compile_model(_RankChanging(), CompilationConfig(mode=2, backend="eager", stamp_repeated_layers=False), 32)
@@ -146,13 +157,53 @@ class _Unweighted(torch.nn.Module):
 
 @needs_stamping
 def test_stamped_layers_that_cannot_be_told_apart_fail_at_capture():
-    compiled = compile_model(_Unweighted(), CompilationConfig(mode=2, backend="eager"), 32)
+    compiled = compile_model(_Unweighted(), CompilationConfig(mode=2, backend="eager",
+                                                          stamp_mechanism="nested_compile_region"), 32)
     with pytest.raises(CaptureError, match=r"cannot tell which layer's names \(\['a'\]\)"):
         compiled(torch.ones(4, 3))
 
 
-@needs_stamping
-def test_a_layer_class_that_inherits_its_forward_is_stamped_and_restored(tiny_llama_factory):
+def test_kiln_s_mechanism_names_a_weightless_stamped_layer_by_its_call():
+    # kiln's own stamps know which layer each call is, so weights are not needed to rename.
+    graphs.clear()
+    compiled = compile_model(_Unweighted(), CompilationConfig(mode=2, backend="kiln_test_record",
+                                                          stamp_mechanism="kiln"), 32)
+    compiled(torch.ones(4, 3))
+    names = [n.args[2] for n in graphs[0].graph.nodes if "kv_cache_write" in str(n.target)]
+    assert names == ["a", "b"] and compiled.stats["stamped_layers"] == 1
+
+
+@compile_dynamic(dynamic_arg_dims={"x": 0})
+class _ReadsOutside(torch.nn.Module):
+    """Layers that read a value computed outside their arguments (a closure over the model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Scaled(self), _Scaled(self)
+
+    def forward(self, x):
+        self.scale = x.sum()
+        return self.b(self.a(x))
+
+
+@repeated_layer
+class _Scaled(torch.nn.Module):
+    def __init__(self, owner):
+        super().__init__()
+        self.owner = [owner]
+
+    def forward(self, x):
+        return x * self.owner[0].scale
+
+
+def test_kiln_s_mechanism_refuses_a_layer_that_reads_outside_its_arguments():
+    compiled = compile_model(_ReadsOutside(), CompilationConfig(mode=2, backend="eager", stamp_mechanism="kiln"), 32)
+    with pytest.raises(CaptureError, match="computed outside its arguments.*stamp_repeated_layers=false"):
+        compiled(torch.ones(4, 3))
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_a_layer_class_that_inherits_its_forward_is_stamped_and_restored(tiny_llama_factory, mechanism):
     from kiln.models.llama import LlamaDecoderLayer
 
     @repeated_layer
@@ -162,7 +213,7 @@ def test_a_layer_class_that_inherits_its_forward_is_stamped_and_restored(tiny_ll
     model = tiny_llama_factory(3)
     for layer in model.model.layers:
         layer.__class__ = Inherited
-    _, out, stats = _capture(model, stamp=True)
+    _, out, stats = _capture(model, stamp=True, mechanism=mechanism)
     assert stats["stamped_layers"] == 1
     assert "forward" not in Inherited.__dict__ and Inherited.forward is LlamaDecoderLayer.forward
     torch.testing.assert_close(out, model(*INPUTS), rtol=1e-5, atol=1e-5)

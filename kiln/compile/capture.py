@@ -161,7 +161,7 @@ class Capture:
     """
 
     def __init__(self, model: torch.nn.Module, dims: dict[str, int], backend, *, guards: str,
-                 mark: str, max_tokens: int, monitor: CompileMonitor, stamp: bool = False):
+                 mark: str, max_tokens: int, monitor: CompileMonitor, stamp: str | None = None):
         self.model, self.dims, self.guards, self.stamp = model, dims, guards, stamp
         self.mark, self.max_tokens, self.monitor = mark, max_tokens, monitor
         self.owner = f"{type(model).__name__}.forward"
@@ -216,7 +216,7 @@ class Capture:
             # turn values that differed in earlier compiles of the same code (another model's
             # attention scale) into symbols.
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False), \
-                    stamping(self.model) if self.stamp else contextlib.nullcontext():
+                    stamping(self.model, self.stamp) if self.stamp else contextlib.nullcontext():
                 out = self.compiled(*args, **kwargs)
         except Exception as e:
             explained = explain(e, self.owner)

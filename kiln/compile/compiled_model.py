@@ -88,9 +88,10 @@ class CompiledModel:
         guards = "all" if self.mode == 1 else "shape" if config.debug_guards else "none"
         compiler = trace.announcing(compiler, self._trace_config)
         # Stamping is kiln's: stock torch.compile (mode 1) traces every layer.
-        stamp = self.mode != 1 and config.stamp_repeated_layers
+        stamp = layer_stamping.resolve(config.stamp_mechanism) if self.mode != 1 and config.stamp_repeated_layers \
+            else None
         return Capture(self.model, dims, checked_backend(compiler, self.monitor, max_tokens, owner,
-                                                         self.model if stamp else None),
+                                                         self.model if stamp is not None else None),
                        guards=guards, mark=config.dynamic_shapes_mark, max_tokens=max_tokens,
                        monitor=self.monitor, stamp=stamp)
 
@@ -228,7 +229,7 @@ class CompiledModel:
         c, model = self.config, self.model
         tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
         return {"mode": c.mode, "piece_compiler": c.piece_compiler, "dynamic_shapes_mark": c.dynamic_shapes_mark,
-                "stamp_repeated_layers": c.stamp_repeated_layers and layer_stamping.supported(),
+                "stamping": layer_stamping.resolve(c.stamp_mechanism) if c.stamp_repeated_layers else None,
                 "split_ops": sorted(op.name for op in self.split_ops), "splitting_mode": c.splitting_mode,
                 "passes": self.backend.passes.uuid() if self.backend.passes else None,
                 "max_num_batched_tokens": self.max_num_batched_tokens,

@@ -100,12 +100,16 @@ class CompilationConfig:
     # Processes that compile unique pieces side by side on a cold start (mode 3, Inductor
     # pieces, compile cache on); None: one per 4 cores, at most 4 (none below 8 cores); 0/1: in-process.
     compile_workers: int | None = None
-    # Dynamo traces one call of each kind of @repeated_layer and stamps the graph for the
-    # others (torch >= 2.12; kiln.compile.layer_stamping); false: trace every layer.
+    # Dynamo traces one call of each kind of @repeated_layer and kiln stamps the graph for the
+    # others (kiln.compile.layer_stamping); false: trace every layer. stamp_mechanism: "auto"
+    # (nested_compile_region where torch >= 2.12 has reuse_hash_fn, else kiln's own),
+    # "nested_compile_region" or "kiln" (any torch).
     stamp_repeated_layers: bool = True
+    stamp_mechanism: str = "auto"
 
     _CHOICES = {"backend": None, "piece_compiler": ("inductor", "eager"), "strategy": ("eager", "lazy"),
-                "dynamic_shapes_mark": ("backed", "unbacked"), "splitting_mode": SPLITTING_MODES}
+                "dynamic_shapes_mark": ("backed", "unbacked"), "splitting_mode": SPLITTING_MODES,
+                "stamp_mechanism": ("auto", "nested_compile_region", "kiln")}
 
     def __post_init__(self):
         if isinstance(self.mode, bool) or self.mode not in COMPILATION_MODES:
