@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
-from kiln.engine import LLM, SamplingParams  # noqa: E402
+from kiln import logs  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams"]
+logs.configure()
+
+from kiln.engine import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

@@ -8,6 +8,8 @@ import importlib
 import logging
 import sys
 
+from kiln import logs
+
 # subcommand -> the module that registers and runs it, in the order --help lists them
 COMMANDS = {
     "generate": "kiln.tools.generate",
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(expand_compilation_flags(sys.argv[1:] if argv is None else argv))
     except ValueError as e:
         parser.error(str(e))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    logging.basicConfig(level=logging.INFO, format=logs.FORMAT,
                         stream=sys.stderr)
     try:
         return args.func(args)

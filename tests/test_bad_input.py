@@ -51,7 +51,15 @@ def test_gguf_of_another_architecture(tmp_path):
     ({"max_tokens": -5}, "max_tokens must be an integer >= 1"),
     ({"temperature": -0.1}, "temperature must be >= 0"),
     ({"top_p": 0.0}, "top_p must be in"),
-    ({"top_k": 0}, "top_k must be -1"),
+    ({"top_k": -2}, "top_k must be 0 or -1"),
+    ({"temperature": float("nan")}, "temperature must be >= 0 and finite"),
+    ({"temperature": float("inf")}, "temperature must be >= 0 and finite"),
+    ({"temperature": 1e-300}, "temperature must be 0 .greedy. or >= 1e-05"),
+    ({"top_p": float("nan")}, "top_p must be in"),
+    ({"max_tokens": True}, "max_tokens must be an integer"),
+    ({"n": 2}, "n=2 is not supported by kiln yet"),
+    ({"logprobs": 5}, "logprobs=5 is not supported"),
+    ({"presence_penalty": 0.5}, "presence_penalty=0.5 is not supported"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -143,6 +144,8 @@ class CompileMonitor:
                     "no Dynamo, %d Inductor compiles)", key, seconds, self.counters.pieces_loaded,
                     self.counters.inductor_compiles)
         logger.info("warm start parts: %s", ", ".join(f"{k} {self.warm_phases[k]:.3f} s" for k in self._warm_order()))
+        # The cold start's summary line too, so one grep finds what every start paid.
+        logger.info("torch.compile took %.2f s in total (a warm start from the compile cache)", seconds)
 
     def compiled_in_workers(self, label: str, seconds: float) -> None:
         """The wall time of a batch of worker compiles (loading their artifacts included)."""
@@ -154,4 +157,5 @@ class CompileMonitor:
 
     def progress(self, total: int, what: str) -> tqdm:
         # Only worth a bar when there is more than one thing to wait for.
-        return tqdm(total=total, desc=what, unit="piece", disable=total < 2, leave=False)
+        # On a terminal only: in a log file a bar's redraws would be one line glued to the next.
+        return tqdm(total=total, desc=what, unit="piece", disable=total < 2 or not sys.stderr.isatty(), leave=False)

@@ -27,7 +27,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kiln.config import EngineConfig
-from kiln.engine.llm_engine import LLMEngine, RequestOutput
+from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.outputs import RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.timeline import StartupTimeline
 

@@ -11,6 +11,7 @@ class IncrementalDetokenizer:
         self.stop, self.include_stop = stop, include_stop
         self.ids: list[int] = []
         self.text = ""
+        self.stopped_by: str | None = None  # the stop string found, once found
         self._prefix_offset = 0  # ids before here are already text
         self._read_offset = 0
 
@@ -34,5 +35,6 @@ class IncrementalDetokenizer:
             at = self.text.find(stop, start)
             if at >= 0:
                 self.text = self.text[: at + len(stop) if self.include_stop else at]
+                self.stopped_by = stop
                 return True
         return False

@@ -1,20 +1,41 @@
-"""The offline API: LLM(model).generate(prompts, SamplingParams(...))."""
+"""The offline API, as vLLM's: LLM(model).generate(prompts, SamplingParams(...))."""
 
 from __future__ import annotations
 
+from tqdm import tqdm
+
+from kiln.compile.config import CompilationConfig
 from kiln.config import EngineConfig
-from kiln.engine.llm_engine import LLMEngine, RequestOutput
+from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.outputs import RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, *, compilation_config: int | dict | CompilationConfig | None = None,
+                 **engine_args):
+        """`model`: the embedded SmolLM2 (None), a .gguf file, an HF folder or a preset name.
+        `compilation_config` is vLLM's name for `compilation`: an -O level (0-3), a dict of
+        CompilationConfig fields over -O2, or a CompilationConfig. Other keywords are
+        EngineConfig's."""
+        if compilation_config is not None:
+            if engine_args.get("compilation") is not None:
+                raise ValueError("LLM got both compilation_config and compilation; they are the same setting, "
+                                 "pass one")
+            if isinstance(compilation_config, int) and not isinstance(compilation_config, bool):
+                compilation_config = CompilationConfig.level(compilation_config)
+            engine_args["compilation"] = compilation_config
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion, batched together; outputs in prompt order."""
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; outputs in prompt order.
+        `use_tqdm`: a progress bar over the requests (on a terminal)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
@@ -29,10 +50,14 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         done: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+        # disable=None: tqdm draws only on a terminal.
+        with tqdm(total=len(ids), desc="Processed prompts", unit="prompt", disable=None if use_tqdm else True,
+                  leave=False) as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update()
         return [done[i] for i in ids]
 
     def shutdown(self) -> None:
@@ -40,8 +65,9 @@ class LLM:
         self.engine.shutdown()
 
     def chat(self, conversations: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
         """Like generate, with each conversation rendered by the model's chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], sampling_params)
+        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], sampling_params, use_tqdm)

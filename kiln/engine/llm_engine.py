@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.outputs import RequestOutput
 from kiln.engine.runner import ModelRunner
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
@@ -19,23 +19,6 @@ from kiln.engine.tp_runner import TensorParallelRunner
 from kiln.loader import load_source
 
 logger = logging.getLogger("kiln")
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort"
-    num_preemptions: int = 0
-
-    @classmethod
-    def of(cls, seq: Sequence) -> "RequestOutput":
-        return cls(seq.seq_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], seq.text,
-                   seq.output_token_ids, seq.finished, seq.finish_reason, seq.num_preemptions)
 
 
 class LLMEngine:
@@ -122,6 +105,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        now = time.time()
+        for seq in batch.seqs:
+            seq.times.setdefault("scheduled", now)
         sampled = self.runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
@@ -135,12 +121,17 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = time.perf_counter()
+        now = time.time()
+        seq.times.setdefault("first_token", now)
+        seq.times["last_token"] = now
         p = seq.params
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+        if not p.ignore_eos and token in self.eos_token_ids:
+            self.scheduler.finish(seq, "stop")
+        elif token in p.stop_token_ids:
+            seq.stop_reason = token
             self.scheduler.finish(seq, "stop")
         elif seq.detokenizer is not None and seq.detokenizer.add(token):
+            seq.stop_reason = seq.detokenizer.stopped_by
             self.scheduler.finish(seq, "stop")
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             self.scheduler.finish(seq, "length")

@@ -33,10 +33,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    if all(k == -1 for k in top_k):
+    if all(k <= 0 for k in top_k):  # 0 and -1: off
         return logits
     vocab = logits.shape[1]
-    k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_k], device=logits.device)
+    k = torch.tensor([vocab if k <= 0 else min(k, vocab) for k in top_k], device=logits.device)
     kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
     return logits.masked_fill(logits < kth, float("-inf"))
 

@@ -1,36 +1,98 @@
-"""How to pick each next token and when to stop; checked when a request is made."""
+"""How to pick each next token and when to stop, with vLLM's field names and defaults;
+checked when a request is made.
+
+kiln honours max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
+and include_stop_str_in_output. vLLM's other fields are accepted at their defaults (which
+turn them off), and any other value is refused naming the field: kiln never ignores a
+setting silently.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+SUPPORTED = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+             "include_stop_str_in_output")
+# vLLM's fields kiln does not implement yet, each with the value that leaves it off.
+UNSUPPORTED_DEFAULTS = {
+    "n": 1, "best_of": None, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_p": 0.0, "min_tokens": 0, "logprobs": None, "prompt_logprobs": None, "detokenize": True,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "logits_processors": None,
+    "truncate_prompt_tokens": None, "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
+    "guided_decoding": None, "structured_outputs": None, "extra_args": None,
+}
 
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until the context (max_model_len) is full
     temperature: float = 1.0  # 0 = greedy
-    top_k: int = -1  # -1 = all tokens
     top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = all tokens
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logits_processors: list | None = None
+    truncate_prompt_tokens: int | None = None
+    logit_bias: dict | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    guided_decoding: object = None
+    structured_outputs: object = None
+    extra_args: dict | None = field(default=None)
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
+        for name, off in UNSUPPORTED_DEFAULTS.items():
+            value = getattr(self, name)
+            if value != off and not (off is None and value in ([], {})):
+                raise ValueError(f"SamplingParams {name}={value!r} is not supported by kiln yet (leave it at "
+                                 f"{off!r}); kiln honours {', '.join(SUPPORTED)}")
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 (or None: until the context is full), "
+                             f"got {self.max_tokens!r}")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
+        if 0 < self.temperature < 1e-5:
+            # Dividing logits by it overflows to inf; vLLM's floor is the same.
+            raise ValueError(f"temperature must be 0 (greedy) or >= 1e-05, got {self.temperature}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(not s for s in self.stop):
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def top_k_or_none(self) -> int | None:
+        """The top-k cut, or None when off (0 or -1)."""
+        return self.top_k if self.top_k > 0 else None
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -9,6 +9,8 @@ are freed and it goes back to the front of the queue, to be recomputed later.
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass
 
@@ -97,3 +99,4 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.times["finished"] = time.time()

@@ -30,9 +30,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or string that finished it
         self.num_preemptions = 0
-        self.arrival_time = time.perf_counter()
-        self.first_token_time: float | None = None
+        # Wall-clock times (time.time()) of its life: arrival, scheduled, first_token, last_token, finished.
+        self.times: dict[str, float] = {"arrival": time.time()}
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

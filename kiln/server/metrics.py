@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kiln.compile.cache import triton_kernels
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.llm_engine import RequestOutput
+from kiln.engine.outputs import RequestOutput
 
 # Timeline phases that count as compilation and as graph capture. Phases with other names
 # still appear, under kiln_startup_phase_seconds.

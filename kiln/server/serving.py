@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kiln.engine.async_engine import AsyncEngine, EngineNotReady, RequestAborted
-from kiln.engine.llm_engine import RequestOutput
+from kiln.engine.outputs import RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.server.errors import APIError, error_body
 from kiln.server.metrics import RequestTimer, ServerMetrics
