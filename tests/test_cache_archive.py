@@ -61,6 +61,7 @@ def test_an_imported_archive_starts_warm_in_a_fresh_root(exported, tmp_path):
     assert set(json.loads((root / "tuning" / "gemv.json").read_text())) == {"GPU A|triton 3.6.0|bfloat16",
                                                                             "GPU B|triton 3.6.0|bfloat16"}
     assert not [p for p in root.iterdir() if p.name.startswith(".import-")]
+    assert [e.key for e in CacheRoot(root).entries()] == [key]  # the kernel and tuning folders are no entries
     # A second process with fresh Inductor and Triton caches finds the entry by its index.
     run = _run(str(HERE / "cache_process.py"), str(root),
                env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "t")})

@@ -10,6 +10,10 @@ from pathlib import Path
 from kiln.compile.cache.entry import MANIFEST, CacheEntry
 from kiln.compile.cache.store import cache_root, write_atomic
 
+# The root's folders that are not entries: the traced-sources index, Triton's kernel cache
+# (kiln.compile.cache.triton_kernels) and kiln prewarm's tuning (kiln.ops.triton.gemv_configs).
+NOT_ENTRIES = ("index", "triton", "tuning")
+
 
 @dataclass
 class CacheRoot:
@@ -29,7 +33,7 @@ class CacheRoot:
         if not self.path.is_dir():
             return []
         return [self.entry(p.name) for p in sorted(self.path.iterdir())
-                if p.is_dir() and p.name != "index" and not p.name.startswith(".")]
+                if p.is_dir() and p.name not in NOT_ENTRIES and not p.name.startswith(".")]
 
     def find(self, prefix: str) -> CacheEntry:
         """The entry whose key starts with `prefix` (as git takes a short hash)."""
