@@ -99,3 +99,33 @@ def test_every_piece_returns_a_tuple_without_split_modules_tuple_return(tiny_lla
         assert isinstance(output.args[0], tuple), name
     with set_forward_context(None, {}):
         torch.testing.assert_close(split(*inputs), gm(*inputs), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 4])
+def test_without_the_merge_each_split_op_is_its_own_region(tiny_llama_factory, num_layers):
+    """SGLang's scan (-cc.merge_consecutive_split_ops=false): the KV write and attention are
+    two regions, with no piece between them (nothing runs there); tokens as eager's."""
+    from kiln import LLM, SamplingParams
+
+    model = tiny_llama_factory(num_layers)
+    config = CompilationConfig(mode=3, piece_compiler="eager", merge_consecutive_split_ops=False)
+    compiled = compile_model(model, config, 32)
+    ids, pos = torch.randint(0, 512, (6,)), torch.arange(6)
+    torch.testing.assert_close(compiled(ids, pos), model(ids, pos), rtol=0, atol=0)
+    stats = compiled.stats
+    assert (stats["opaque_regions"], stats["pieces"]) == (2 * num_layers, num_layers + 1)
+    regions = [getattr(compiled.backend.program.graph, name) for name in compiled.backend.program.regions]
+    assert all(len([n for n in r.graph.nodes if n.op == "call_function"]) == 1 for r in regions)
+    if num_layers == 2:  # through the engine, Inductor pieces: the same greedy tokens as eager
+        kw = dict(device="cpu", max_num_batched_tokens=32, num_kv_blocks=64)
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        prompt = [[5, 9, 13, 2, 7]]
+        eager = LLM("tiny-llama", **kw).generate(prompt, params, use_tqdm=False)[0].token_ids
+        split = LLM("tiny-llama", compilation={"merge_consecutive_split_ops": False}, **kw)
+        assert split.generate(prompt, params, use_tqdm=False)[0].token_ids == eager
+        assert split.engine.runner.compiled.stats["opaque_regions"] == 2 * 2
+
+
+def test_the_merge_setting_must_be_a_bool():
+    with pytest.raises(ValueError, match="merge_consecutive_split_ops must be true or false"):
+        CompilationConfig(merge_consecutive_split_ops="no")

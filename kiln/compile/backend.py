@@ -124,7 +124,7 @@ class PiecewiseBackend:
         fake_mode = torch._guards.TracingContext.get().fake_mode
         fakes = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
         tokens = token_symbols(fakes, fake_mode.shape_env)
-        split = split_graph(gm, self.split_names)
+        split = split_graph(gm, self.split_names, self.config.merge_consecutive_split_ops)
         recorded = piece_inputs(split.module, split.pieces, fakes, fake_mode)
         inputs = {name: [PieceInput.of(x, tokens) for x in recorded[name]] for name in split.pieces}
         uniques, unique_index = dedup(split.module, split.pieces, inputs)

@@ -231,6 +231,7 @@ class CompiledModel:
         return {"mode": c.mode, "piece_compiler": c.piece_compiler, "dynamic_shapes_mark": c.dynamic_shapes_mark,
                 "stamping": layer_stamping.resolve(c.stamp_mechanism) if c.stamp_repeated_layers else None,
                 "split_ops": sorted(op.name for op in self.split_ops), "splitting_mode": c.splitting_mode,
+                "merge_consecutive_split_ops": c.merge_consecutive_split_ops,
                 "passes": self.backend.passes.uuid() if self.backend.passes else None,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "model_class": f"{type(model).__module__}.{type(model).__qualname__}",

@@ -93,6 +93,10 @@ class CompilationConfig:
     # each piece on its own; "inductor_partition" compiles the whole graph (so whole-graph
     # passes see it) and Inductor partitions it at the same ops; "none" does not cut at all.
     splitting_mode: str = "fx"
+    # FX splitting: consecutive split ops (the KV write right before attention) form one
+    # opaque region (L regions, L+1 pieces for L layers); false gives SGLang's scan, each
+    # split op its own region (2L regions).
+    merge_consecutive_split_ops: bool = True
     # Graph passes run inside Inductor (kiln.compile.passes), in their fixed order, e.g.
     # ["noop_elimination", "fuse_add_rms_norm", "sequence_parallel", "reinplace"].
     passes: list[str] = field(default_factory=list)
@@ -133,7 +137,7 @@ class CompilationConfig:
         if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
             raise ValueError(f"compilation compile_workers must be a count >= 0 (0 or 1: compile in-process) or "
                              f"null (one per 4 cores), got {workers!r}")
-        for name in ("debug_guards", "cudagraph_debug", "stamp_repeated_layers"):
+        for name in ("debug_guards", "cudagraph_debug", "stamp_repeated_layers", "merge_consecutive_split_ops"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"compilation {name} must be true or false, got {getattr(self, name)!r}")
         self._check_cudagraphs()

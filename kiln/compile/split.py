@@ -82,8 +82,10 @@ class SplitGraph:
     regions: list[str]  # names of the opaque submodules (split ops), run as captured
 
 
-def subgraph_ids(graph: fx.Graph, names: set[str]) -> tuple[dict[fx.Node, int], set[int]]:
-    """Node -> subgraph id, bumped wherever the scan enters or leaves a run of split ops."""
+def subgraph_ids(graph: fx.Graph, names: set[str], merge: bool = True) -> tuple[dict[fx.Node, int], set[int]]:
+    """Node -> subgraph id, bumped wherever the scan enters or leaves a run of split ops. With
+    `merge` a run of consecutive split ops (the KV write right before attention) is one
+    opaque region; without it each split op is its own (SGLang's scan)."""
     ids: dict[fx.Node, int] = {}
     opaque: set[int] = set()
     current, in_region = 0, None
@@ -91,7 +93,7 @@ def subgraph_ids(graph: fx.Graph, names: set[str]) -> tuple[dict[fx.Node, int], 
         if node.op in ("placeholder", "output"):
             continue
         split = is_split_node(node, names)
-        if in_region is not None and split != in_region:
+        if in_region is not None and (split != in_region or (split and not merge)):
             current += 1
         in_region = split
         ids[node] = current
@@ -100,8 +102,8 @@ def subgraph_ids(graph: fx.Graph, names: set[str]) -> tuple[dict[fx.Node, int], 
     return ids, opaque
 
 
-def split_graph(gm: fx.GraphModule, names: set[str]) -> SplitGraph:
-    ids, opaque = subgraph_ids(gm.graph, names)
+def split_graph(gm: fx.GraphModule, names: set[str], merge: bool = True) -> SplitGraph:
+    ids, opaque = subgraph_ids(gm.graph, names, merge)
     # Every piece returns a tuple, even of one value: a compiled artifact loaded from disk
     # returns a list either way, so a bare-tensor piece would come back as [tensor].
     if "tuple_return" in inspect.signature(split_module).parameters:
