@@ -85,3 +85,22 @@ def test_random_weights_are_deterministic():
     a = build_model(PRESETS["tiny-llama"], torch.float32, torch.device("cpu"), frozenset(), None)
     b = build_model(PRESETS["tiny-llama"], torch.float32, torch.device("cpu"), frozenset(), None)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_kiln_s_dequantization_gives_gguf_s_bits_for_every_tensor_of_the_embedded_model():
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from kiln.loader import embedded_gguf_path
+    from kiln.loader.gguf_file import dequantized
+
+    kinds = set()
+    for t in GGUFReader(str(embedded_gguf_path())).tensors:
+        kind = GGMLQuantizationType(t.tensor_type)
+        want = np.asarray(dequantize(t.data, kind), dtype=np.float32).reshape(-1)
+        got = dequantized(t.data, kind, dequantize).reshape(-1)
+        assert np.array_equal(want.view(np.uint32), got.view(np.uint32)), t.name
+        kinds.add(kind.name)
+    assert {"Q4_1", "Q8_0"} <= kinds  # both torch paths ran

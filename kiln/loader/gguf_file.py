@@ -80,7 +80,7 @@ class GGUFCheckpoint:
                 if t.name.startswith("rope_freqs"):
                     continue
                 raise ValueError(f"{self.path}: unexpected tensor {t.name!r}")
-            w = np.asarray(dequantize(t.data, GGMLQuantizationType(t.tensor_type)), dtype=np.float32)
+            w = dequantized(t.data, GGMLQuantizationType(t.tensor_type), dequantize)
             w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
             if t.name.endswith("attn_q.weight"):
                 w = _unpermute(w, cfg.num_heads)
@@ -88,6 +88,29 @@ class GGUFCheckpoint:
                 w = _unpermute(w, cfg.num_kv_heads)
             w = np.ascontiguousarray(w)
             yield patterns[t.name], torch.from_numpy(w if w.flags.writeable else w.copy())
+
+
+# Bytes per block of 32 weights: Q4_1 = fp16 scale, fp16 min, 16 bytes of 4-bit quants (element
+# i in the low nibble of byte i, element i + 16 in its high nibble); Q8_0 = fp16 scale, 32 int8.
+_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+
+
+def dequantized(data: np.ndarray, kind, fallback) -> np.ndarray:
+    """A tensor's fp32 values. Q4_1 and Q8_0 (the embedded SmolLM2's, and common in llama
+    files) in torch: gguf's arithmetic in gguf's order, so the same bits, where gguf's loop
+    over row groups took 2.1 s of the embedded model's 2.6 s load on this CPU. Other types
+    go to gguf's `fallback`."""
+    if kind.name not in _BLOCK_BYTES:
+        return np.asarray(fallback(data, kind), dtype=np.float32)
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, _BLOCK_BYTES[kind.name]))
+    d = raw[:, :2].contiguous().view(torch.float16).float()
+    if kind.name == "Q8_0":
+        values = raw[:, 2:].contiguous().view(torch.int8).float() * d
+    else:
+        m = raw[:, 2:4].contiguous().view(torch.float16).float()
+        qs = raw[:, 4:]
+        values = d * torch.cat([qs & 0x0F, qs >> 4], dim=1).float() + m
+    return values.reshape(-1).numpy()
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
