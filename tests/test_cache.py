@@ -180,7 +180,7 @@ def test_a_shape_missing_from_a_warm_entry_is_a_logged_and_counted_miss(copy_of,
     with caplog.at_level(logging.WARNING, logger="kiln.compile"), torch.inference_mode(), \
             set_forward_context(None, {}):
         compiled(torch.randint(0, 512, (7,)), torch.arange(7))
-        assert compiled.stats["pieces_loaded"] == 3 and not caplog.text
+        assert compiled.stats["pieces_loaded"] == 3 and not [r for r in caplog.records if r.levelno >= logging.WARNING]
         compiled(torch.randint(0, 512, (4,)), torch.arange(4))
     assert f"compile cache miss: size 4 of tiny-llama is not in cache entry {key}" in caplog.text
     stats = compiled.stats
@@ -321,3 +321,52 @@ def test_tensor_parallel_ranks_do_not_share_an_entry(tiny_llama, tmp_path):
     rank0, rank1 = (compiled._config_factor(torch.device("cuda", i)) for i in (0, 1))
     assert rank0 != rank1 and rank0["device_type"] == rank1["device_type"] == "cuda"
     assert compiled._config_factor(torch.device("cpu")) == compiled._config_factor(torch.device("cpu"))
+
+
+# -- who may write the cache --------------------------------------------------------------
+
+def test_every_file_and_folder_of_a_filled_entry_is_private(filled):
+    root, key, _, _ = filled
+    assert oct(root.stat().st_mode & 0o777) == "0o700"
+    loose = [f"{p.relative_to(root)} {oct(p.stat().st_mode & 0o777)}" for p in (root / key).rglob("*")
+             if p.name != "lock" and p.stat().st_mode & 0o077]
+    loose += [f"{p.relative_to(root)} {oct(p.stat().st_mode & 0o777)}" for p in (root / "index").rglob("*")
+              if p.stat().st_mode & 0o077]
+    assert loose == []
+
+
+def test_a_root_others_could_write_is_refused_naming_the_fix(tmp_path, monkeypatch):
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(root))
+    with pytest.raises(ValueError, match=rf"writable by group or others \(mode 0o777\).*chmod 700 {root}"):
+        CompileCache.from_env({"architecture": "x"})
+    os.chmod(root, 0o700)
+    assert CompileCache.from_env({"architecture": "x"}) is not None
+    if os.geteuid() == 0:  # only root can hand the folder to another user
+        os.chown(root, 12345, -1)
+        with pytest.raises(ValueError, match="belongs to another user .uid 12345"):
+            CompileCache.from_env({"architecture": "x"})
+
+
+def test_cache_ls_says_complete_only_when_every_listed_file_is_there(copy_of):
+    root, key = copy_of
+    entry = CacheRoot(root).entry(key)
+    entry.manifest = entry.read_manifest()
+    assert entry.complete()
+    piece = next(r for r in entry.manifest["files"] if r.startswith("pieces/"))
+    (root / key / piece).write_bytes((root / key / piece).read_bytes()[:-10])  # truncated
+    assert not entry.complete() and entry.absent_files() == [piece]
+    assert f"{key:16}" in "\n".join(cache_cli.ls(CacheRoot(root))) and "partial" in "\n".join(cache_cli.ls(CacheRoot(root)))
+    (root / key / piece).unlink()
+    assert entry.absent_files() == [piece]
+
+
+def test_a_damaged_index_is_a_warning_and_is_rebuilt(copy_of, caplog):
+    root, key = copy_of
+    (index,) = (root / "index").iterdir()
+    index.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="kiln.compile"):
+        assert CacheRoot(root).read_index(index.stem) is None
+    assert f"index {index} is damaged" in caplog.text and not index.exists()

@@ -29,7 +29,7 @@ import torch
 from kiln.compile.cache.entry import MANIFEST, kiln_version
 from kiln.compile.cache.key import FACTORS, prekey_of
 from kiln.compile.cache.root import CacheRoot
-from kiln.compile.cache.store import write_atomic
+from kiln.compile.cache.store import private_dir, write_atomic
 from kiln.compile.cache.triton_kernels import TRITON_DIR
 
 ARCHIVE_MANIFEST = "kiln-archive.json"
@@ -152,7 +152,7 @@ def _unpack(tar: tarfile.TarFile, manifest: dict, staging: Path, archive: Path) 
             if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
                 raise ArchiveError(f"{archive}: {member.name} fails its checksum (the archive was altered or "
                                    f"truncated); nothing was imported")
-            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_dir(target.parent)
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -185,7 +185,7 @@ def _move_in(root: CacheRoot, staging: Path, manifest: dict) -> None:
     for folder in (TRITON_DIR,):
         for rel, path in _files(staging / folder):
             target = root.path / folder / rel
-            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_dir(target.parent)
             os.replace(path, target)
     for rel, path in _files(staging / TUNING_DIR):
         _merge_json(path, root.path / TUNING_DIR / rel)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kiln.compile.cache.key import FACTORS
-from kiln.compile.cache.store import EntryLock, sha256_file, write_atomic
+from kiln.compile.cache.store import EntryLock, make_private, private_dir, sha256_file, write_atomic
 from kiln.compile.monitor import logger
 from kiln.compile.shapes import TokenShape
 
@@ -112,10 +112,10 @@ class CacheEntry:
             return None
 
     def _create(self, info: dict) -> dict:
-        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(self.path)
         now = _now()
         return {"key": self.key, "kiln": kiln_version(), **info, "created": now, "updated": now,
-                "shapes": {}, "graph": None, "files": {}}
+                "shapes": {}, "graph": None, "files": {}, "file_sizes": {}}
 
     def bad_files(self) -> list[str]:
         return [rel for rel, digest in self.manifest.get("files", {}).items()
@@ -138,6 +138,7 @@ class CacheEntry:
 
     def _forget(self, rel: str) -> None:
         self.manifest["files"].pop(rel, None)
+        self.manifest.setdefault("file_sizes", {}).pop(rel, None)
         with contextlib.suppress(FileNotFoundError):
             (self.path / rel).unlink()
 
@@ -150,7 +151,16 @@ class CacheEntry:
 
     def _write_file(self, rel: str, data: bytes) -> None:
         write_atomic(self.path / rel, data)
-        self.manifest["files"][rel] = hashlib.sha256(data).hexdigest()
+        self._record(rel, hashlib.sha256(data).hexdigest(), len(data))
+
+    def _record(self, rel: str, digest: str | None, size: int | None = None) -> None:
+        """A file of the entry, its checksum and size (what `complete` and `verify` check)."""
+        path = self.path / rel
+        if size is None:
+            os.chmod(path, 0o600)  # written by Inductor or a worker with their own mode
+            size = path.stat().st_size
+        self.manifest["files"][rel] = digest
+        self.manifest.setdefault("file_sizes", {})[rel] = size
 
     def _write_manifest(self) -> None:
         shapes = [TokenShape(s["lo"], s["hi"]) for s in self.manifest["shapes"].values() if self._has_shape(s)]
@@ -228,7 +238,7 @@ class CacheEntry:
     def save_piece(self, index: int, shape: TokenShape, artifact) -> None:
         rel = self.artifact(index, shape)
         target = self.path / rel
-        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(target.parent)
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         try:
             artifact.save(path=str(tmp), format="binary")
@@ -238,13 +248,13 @@ class CacheEntry:
             tmp.unlink(missing_ok=True)
             return
         os.replace(tmp, target)
-        self.manifest["files"][rel] = sha256_file(target)
+        self._record(rel, sha256_file(target))
 
     def adopt_piece(self, index: int, shape: TokenShape, saved: Path) -> None:
         """Take in an artifact another process saved at `saved` (in this entry's directory)."""
         target = self.path / self.artifact(index, shape)
         os.replace(saved, target)
-        self.manifest["files"][self.artifact(index, shape)] = sha256_file(target)
+        self._record(self.artifact(index, shape), sha256_file(target))
 
     def shape_done(self, shape: TokenShape, size_hint: int, num_pieces: int) -> None:
         """Record `shape` and the built files Inductor left for it; write the manifest."""
@@ -252,10 +262,11 @@ class CacheEntry:
             "lo": shape.lo, "hi": shape.hi, "size_hint": size_hint,
             "artifacts": [self.artifact(i, shape) for i in range(num_pieces)]}
         inductor = self.path / INDUCTOR
+        make_private(inductor)
         for path in sorted(inductor.rglob("*")) if inductor.exists() else []:
             rel = path.relative_to(self.path).as_posix()
             if path.is_file() and rel not in self.manifest["files"] and _kept(path.relative_to(inductor)):
-                self.manifest["files"][rel] = sha256_file(path)
+                self._record(rel, sha256_file(path))
         self._write_manifest()
 
     def has_shape(self, shape: TokenShape) -> bool:
@@ -307,8 +318,23 @@ class CacheEntry:
                 "graph": bool(self.manifest.get("graph"))}
 
     def complete(self) -> bool:
+        """Every shape the plan wants is held, and every listed file is there at its recorded size."""
         cover = self.coverage()
-        return cover["graph"] and not cover["missing"]
+        return cover["graph"] and not cover["missing"] and not self.absent_files()
+
+    def absent_files(self) -> list[str]:
+        """Listed files that are gone or have another size than recorded (cheap: no checksum)."""
+        sizes = self.manifest.get("file_sizes", {})
+        absent = []
+        for rel in self.manifest.get("files", {}):
+            try:
+                size = (self.path / rel).stat().st_size
+            except OSError:
+                absent.append(rel)
+                continue
+            if rel in sizes and sizes[rel] != size:
+                absent.append(rel)
+        return absent
 
     def size_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from kiln.compile.cache.entry import CacheEntry
 from kiln.compile.cache.key import code_factor, key_of, prekey_of
 from kiln.compile.cache.root import CacheRoot
-from kiln.compile.cache.store import cache_disabled
+from kiln.compile.cache.store import cache_disabled, check_root
 from kiln.compile.monitor import logger
 
 
@@ -31,7 +31,9 @@ class CompileCache:
         if cache_disabled():
             logger.info("compile cache: off (KILN_DISABLE_COMPILE_CACHE)")
             return None
-        return cls(CacheRoot(), model, name)
+        root = CacheRoot()
+        check_root(root.path)  # at start-up: an unsafe root is refused before anything is read
+        return cls(root, model, name)
 
 
 class ModelCache:

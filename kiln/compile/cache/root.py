@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.compile.cache.entry import MANIFEST, CacheEntry
-from kiln.compile.cache.store import cache_root, write_atomic
+from kiln.compile.cache.store import cache_root, check_root, private_dir, write_atomic
+from kiln.compile.monitor import logger
 
 # The root's folders that are not entries: the traced-sources index, Triton's kernel cache
 # (kiln.compile.cache.triton_kernels) and kiln prewarm's tuning (kiln.ops.triton.gemv_configs).
@@ -20,11 +20,9 @@ class CacheRoot:
     path: Path = field(default_factory=cache_root)
 
     def ensure(self) -> None:
-        try:
-            self.path.mkdir(mode=0o700, parents=True)
-        except FileExistsError:  # another process (a concurrent prewarm) made it first
-            return
-        os.chmod(self.path, 0o700)  # mkdir's mode is filtered by the umask
+        """The root exists, made 0700 if new; one someone else could write is refused."""
+        check_root(self.path)
+        private_dir(self.path)
 
     def entry(self, key: str) -> CacheEntry:
         return CacheEntry(self.path / key, key)
@@ -56,9 +54,20 @@ class CacheRoot:
         return False
 
     def read_index(self, prekey: str) -> list[str] | None:
+        """The sources the last capture under `prekey` traced; None if it has not run (or
+        its index file is damaged: logged and removed, so the next capture writes it again)."""
+        path = self.path / "index" / f"{prekey}.json"
         try:
-            return json.loads((self.path / "index" / f"{prekey}.json").read_text())["sources"]
-        except (OSError, ValueError, KeyError, TypeError):
+            sources = json.loads(path.read_text())["sources"]
+            if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+                raise ValueError("sources is not a list of names")
+            return sources
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("compile cache: index %s is damaged (%s: %s); removing it, the next capture "
+                           "writes it again", path, type(e).__name__, e)
+            path.unlink(missing_ok=True)
             return None
 
     def write_index(self, prekey: str, sources: list[str]) -> None:

@@ -34,15 +34,56 @@ def sha256_file(path: Path) -> str | None:
         return None
 
 
+def private_dir(path: Path) -> Path:
+    """`path` and every missing parent, each made with mode 0700 (as ssh treats ~/.ssh)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:  # another process made it first
+            continue
+        os.chmod(folder, 0o700)  # mkdir's mode is filtered by the umask
+    return path
+
+
+def make_private(folder: Path) -> None:
+    """Every directory under `folder` 0700 and every file 0600: what Inductor and Triton wrote
+    there with their own modes."""
+    for path in [folder, *folder.rglob("*")] if folder.exists() else []:
+        if not path.is_symlink():
+            os.chmod(path, 0o700 if path.is_dir() else 0o600)
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write a temporary file beside `path`, then rename it over: readers see all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def check_root(path: Path) -> None:
+    """Refuse a cache root that someone else could write: its entries hold pickles that a
+    start loads, which is running whatever code they hold."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"the compile cache root {path} belongs to another user (uid {st.st_uid}, this process "
+                         f"runs as {os.geteuid()}); a start unpickles what is there, so kiln will not use it. "
+                         f"Set KILN_CACHE_ROOT to a directory of your own")
+    if st.st_mode & 0o022:
+        raise ValueError(f"the compile cache root {path} is writable by group or others (mode "
+                         f"{oct(st.st_mode & 0o777)}); a start unpickles what is there, so kiln will not use it. "
+                         f"Fix it with `chmod 700 {path}`, or set KILN_CACHE_ROOT to a directory of your own")
 
 
 class EntryLock:
@@ -77,7 +118,7 @@ class EntryLock:
 
     def _acquire(self) -> int:
         while True:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_dir(self.path.parent)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -27,8 +27,10 @@ def use_cache_root(root: Path) -> Path | None:
         return None
     from triton import knobs
 
+    from kiln.compile.cache.store import private_dir
+
     path = root / TRITON_DIR
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    private_dir(path)
     knobs.cache.dir = str(path)
     return path
 
