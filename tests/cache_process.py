@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +28,14 @@ from kiln.loader import load_source
 from kiln.models import build_model
 
 MAX_TOKENS = 32
+HERE = Path(__file__).resolve().parent
+
+
+def run_python(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
+    """`python *args` in a fresh process that imports kiln from this checkout; `env` on top."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def tiny(root: Path):

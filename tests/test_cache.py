@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_process import MAX_TOKENS, max_error, start, tiny
+from cache_process import MAX_TOKENS, max_error, run_python as _run, start, tiny
 
 from kiln.compile import compile_model
 from kiln.compile.cache import CacheRoot, CompileCache, cache_disabled
@@ -27,12 +27,6 @@ from kiln.compile.config import CompilationConfig
 from kiln.tools import cache_cli
 
 HERE = Path(__file__).resolve().parent
-
-
-def _run(*args, env=None, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

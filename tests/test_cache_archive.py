@@ -4,27 +4,18 @@ foreign archive is refused and leaves nothing behind."""
 
 import io
 import json
-import os
 import re
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
 import pytest
-from cache_process import start
+from cache_process import run_python as _run, start
 
 from kiln.compile.cache import CacheRoot
 from kiln.compile.cache import archive as cache_archive
 from kiln.compile.cache.archive import ARCHIVE_MANIFEST, ArchiveError, export, import_archive
 
 HERE = Path(__file__).resolve().parent
-
-
-def _run(*args, env=None, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ session (conftest.compiled_tiny_llama); the other tests here hit its FX-graph ca
 """
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -64,7 +65,9 @@ def test_eager_strategy_never_compiles_while_serving(compiled_tiny_llama):
         pieces.compile(TokenShape(2, 2))
 
 
-def test_lazy_strategy_specialises_a_size_on_first_use(tiny_llama, caplog, capsys):
+def test_lazy_strategy_specialises_a_size_on_first_use(tiny_llama, caplog, capsys, monkeypatch):
+    # The progress bar is drawn on a terminal only (in a log it would glue lines together).
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     config = CompilationConfig(mode=3, strategy="lazy", compile_ranges=[8], compile_sizes=[4, 16])
     compiled = compile_model(tiny_llama, config, 64)
     with caplog.at_level(logging.INFO, logger="kiln.compile"):
