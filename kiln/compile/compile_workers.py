@@ -134,14 +134,11 @@ def op_modules(graph) -> list[str]:
     a worker imports them, so that unpickling the graph finds the ops registered."""
     from torch._library.custom_ops import OPDEFS
 
+    from kiln.compile.split import op_name
+
     found = set()
     for node in graph.graph.nodes:
-        if node.op != "call_function":
-            continue
-        # An overload knows its schema; Dynamo may record the packet, which knows its name.
-        schema = getattr(node.target, "_schema", None)
-        name = schema.name if schema is not None else getattr(node.target, "_qualified_op_name", None)
-        opdef = OPDEFS.get(name) if name is not None else None
+        opdef = OPDEFS.get(op_name(node.target)) if node.op == "call_function" else None
         if opdef is not None:
             found.add(opdef._init_fn.__module__)
     return sorted(found)

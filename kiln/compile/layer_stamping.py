@@ -36,6 +36,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from kiln.compile.monitor import logger
 from kiln.compile.opt_in import is_repeated_layer
+from kiln.compile.split import op_name
 
 KEY_ATTR = "_kiln_stamp_key"  # set on each layer instance for the length of a capture
 INDEX_ATTR = "_kiln_stamp_index"
@@ -362,9 +363,7 @@ def _renamer(change: tuple[str, str] | None, modules: set[str]):
 def _is_stamp_op(node: fx.Node, name: str | None = None) -> bool:
     if node.op != "call_function":
         return False
-    # An overload knows its schema; Dynamo may record the packet, which knows its name.
-    schema = getattr(node.target, "_schema", None)
-    op = schema.name if schema is not None else getattr(node.target, "_qualified_op_name", "")
+    op = op_name(node.target)  # the packet or the overload, as Dynamo recorded it
     return op.startswith("kiln_stamp::") and (name is None or op == f"kiln_stamp::{name}")
 
 
