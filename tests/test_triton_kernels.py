@@ -427,7 +427,9 @@ def _compile_all_for_sm90() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from kiln.ops.triton import activation, attention, gemv, norm, rotary
+    from kiln.ops.triton import gemv
+    from kiln.ops.triton.kernels import activation, attention, norm, rotary
+    from kiln.ops.triton.kernels import gemv as gemv_kernels
 
     def build(kernel, args: dict, constants: dict, num_warps=4, num_stages=3):
         # Pointers and strides are marked 16-divisible, as the launcher marks real ones.
@@ -444,19 +446,19 @@ def _compile_all_for_sm90() -> None:
         print("compiled", kernel.__name__, constants)
 
     bf16, f32, i32 = "*bf16", "fp32", "i32"
-    build(norm._rms_norm_kernel, dict(x_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, x_row_stride=i32,
+    build(norm.rms_norm_kernel, dict(x_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, x_row_stride=i32,
                                       out_row_stride=i32, hidden_size=i32, eps=f32), dict(BLOCK=4096), 16)
-    build(norm._fused_add_rms_norm_kernel,
+    build(norm.fused_add_rms_norm_kernel,
           dict(x_ptr=bf16, residual_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, new_residual_ptr=bf16,
                x_row_stride=i32, residual_row_stride=i32, out_row_stride=i32, hidden_size=i32, eps=f32),
           dict(BLOCK=4096), 16)
-    build(activation._silu_and_mul_kernel, dict(x_ptr=bf16, out_ptr=bf16, x_row_stride=i32, out_row_stride=i32,
+    build(activation.silu_and_mul_kernel, dict(x_ptr=bf16, out_ptr=bf16, x_row_stride=i32, out_row_stride=i32,
                                                 width=i32), dict(BLOCK=1024))
-    build(rotary._rotary_kernel,
+    build(rotary.rotary_kernel,
           dict(positions_ptr="*i64", q_ptr=bf16, k_ptr=bf16, cache_ptr="*fp32", q_out_ptr=bf16, k_out_ptr=bf16,
                q_token_stride=i32, k_token_stride=i32, cache_row_stride=i32, num_q_heads=i32, num_kv_heads=i32),
           dict(HEAD_DIM=128, ROTARY_DIM=128, BLOCK_DIM=128, BLOCK_Q_HEADS=32, BLOCK_KV_HEADS=8))
-    build(attention._write_kv_kernel,
+    build(attention.write_kv_kernel,
           dict(key_ptr=bf16, value_ptr=bf16, key_cache_ptr=bf16, value_cache_ptr=bf16, slot_mapping_ptr="*i64",
                key_token_stride=i32, key_head_stride=i32, value_token_stride=i32, value_head_stride=i32,
                cache_block_stride=i32, cache_slot_stride=i32, cache_head_stride=i32, num_kv_heads=i32,
@@ -472,11 +474,11 @@ def _compile_all_for_sm90() -> None:
     for dtype, group, head_dim, block_m, splits in [("bf16", 4, 128, 16, 8), ("bf16", 3, 64, 64, 1),
                                                     ("fp32", 1, 128, 64, 1)]:
         pointer = "*" + dtype
-        build(attention._paged_attention_kernel,
+        build(attention.paged_attention_kernel,
               dict(attention_args, query_ptr=pointer, key_cache_ptr=pointer, value_cache_ptr=pointer, out_ptr=pointer),
               dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=64, BLOCK_DIM=head_dim,
                    KV_SPLITS=splits, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32"))
-    build(attention._merge_splits_kernel,
+    build(attention.merge_splits_kernel,
           dict(out_ptr=bf16, partial_acc_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
                query_start_loc_ptr="*i32", num_seqs=i32, out_token_stride=i32, out_head_stride=i32),
           dict(HEAD_DIM=128, BLOCK_DIM=128, KV_SPLITS=8))
@@ -486,14 +488,14 @@ def _compile_all_for_sm90() -> None:
     for rows in (1, 2, 4):
         for config in gemv.FMA_CONFIGS:
             if gemv.config_fits(config, rows, 4096, 4096, 132, fma=True):
-                build(gemv._gemv_fma_kernel, gemv_args, dict(BLOCK_M=rows, EVEN_K=True, **config.kwargs),
+                build(gemv_kernels.gemv_fma_kernel, gemv_args, dict(BLOCK_M=rows, EVEN_K=True, **config.kwargs),
                       config.num_warps, config.num_stages)
     for config in gemv.DOT_CONFIGS:
-        build(gemv._gemv_dot_kernel, gemv_args, dict(BLOCK_M=gemv.DOT_ROWS, EVEN_K=True, DOT_PRECISION="tf32",
+        build(gemv_kernels.gemv_dot_kernel, gemv_args, dict(BLOCK_M=gemv.DOT_ROWS, EVEN_K=True, DOT_PRECISION="tf32",
                                                      **config.kwargs), config.num_warps, config.num_stages)
     fp32_args = dict(gemv_args, x_ptr="*fp32", w_ptr="*fp32", out_ptr="*fp32")
-    build(gemv._gemv_fma_kernel, fp32_args, dict(BLOCK_M=2, EVEN_K=False, **gemv.FMA_CONFIGS[0].kwargs))
-    build(gemv._gemv_dot_kernel, fp32_args, dict(BLOCK_M=gemv.DOT_ROWS, EVEN_K=False, DOT_PRECISION="ieee",
+    build(gemv_kernels.gemv_fma_kernel, fp32_args, dict(BLOCK_M=2, EVEN_K=False, **gemv.FMA_CONFIGS[0].kwargs))
+    build(gemv_kernels.gemv_dot_kernel, fp32_args, dict(BLOCK_M=gemv.DOT_ROWS, EVEN_K=False, DOT_PRECISION="ieee",
                                                  **gemv.DOT_CONFIGS[4].kwargs))
 
 

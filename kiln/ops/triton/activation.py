@@ -4,23 +4,10 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
+
+from kiln.ops.triton.kernels.activation import silu_and_mul_kernel
 
 BLOCK = 1024
-
-
-@triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_row_stride, out_row_stride, width, BLOCK: tl.constexpr):
-    row_index = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < width
-    row_ptr = x_ptr + row_index * x_row_stride
-    gate = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(row_ptr + width + cols, mask=mask, other=0.0).to(tl.float32)
-    dtype = x_ptr.dtype.element_ty
-    # Round silu(gate) to the input dtype before the product, as `F.silu(gate) * up` does.
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row_index * out_row_stride + cols, (silu * up).to(dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -36,6 +23,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     out_rows = out.view(-1, width)
     grid = (rows.shape[0], triton.cdiv(width, BLOCK))
-    _silu_and_mul_kernel[grid](rows, out_rows, rows.stride(0), out_rows.stride(0), width,
+    silu_and_mul_kernel[grid](rows, out_rows, rows.stride(0), out_rows.stride(0), width,
                                BLOCK=BLOCK, num_warps=4)
     return out

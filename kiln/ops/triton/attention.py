@@ -31,9 +31,13 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
 from kiln.forward_context import AttentionMetadata
+from kiln.ops.triton.kernels.attention import (
+    merge_splits_kernel,
+    paged_attention_kernel,
+    write_kv_kernel,
+)
 
 MAX_KV_SPLITS = 16
 # Below this many keys a decode context is not worth splitting.
@@ -44,27 +48,6 @@ PROGRAMS_PER_SM = 4
 
 
 # ---------------------------------------------------------------------------- KV write
-
-
-@triton.jit
-def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-                     key_token_stride, key_head_stride, value_token_stride, value_head_stride,
-                     cache_block_stride, cache_slot_stride, cache_head_stride, num_kv_heads, block_size,
-                     HEAD_DIM: tl.constexpr,
-                     BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:  # a padding token
-        return
-    heads = tl.arange(0, BLOCK_HEADS)[:, None]
-    dims = tl.arange(0, BLOCK_DIM)[None, :]
-    mask = (heads < num_kv_heads) & (dims < HEAD_DIM)
-    cache_offsets = ((slot // block_size) * cache_block_stride + (slot % block_size) * cache_slot_stride
-                     + heads * cache_head_stride + dims)
-    key = tl.load(key_ptr + token * key_token_stride + heads * key_head_stride + dims, mask=mask)
-    tl.store(key_cache_ptr + cache_offsets, key, mask=mask)
-    value = tl.load(value_ptr + token * value_token_stride + heads * value_head_stride + dims, mask=mask)
-    tl.store(value_cache_ptr + cache_offsets, value, mask=mask)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -91,7 +74,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     if num_tokens == 0:
         return
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    _write_kv_kernel[(num_tokens,)](
+    write_kv_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), num_kv_heads, kv_cache.shape[2],
@@ -102,140 +85,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------- attention
-
-
-@triton.jit
-def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
-    """The last sequence i whose first query tile, query_start_loc[i] // BLOCK_Q + i, is <= tile."""
-    low = tile * 0  # an int32 tensor (num_seqs == 1 may arrive as a constant)
-    high = low + num_seqs - 1
-    while low < high:
-        middle = (low + high + 1) // 2
-        first_tile = tl.load(query_start_loc_ptr + middle) // BLOCK_Q + middle
-        low = tl.where(first_tile <= tile, middle, low)
-        high = tl.where(first_tile <= tile, high, middle - 1)
-    return low
-
-
-@triton.jit
-def _attend(q, query_pos, key_begin, key_end, block_table_ptr, key_cache_ptr, value_cache_ptr,
-            cache_block_stride, cache_slot_stride, block_size, scale_log2, HEAD_DIM: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DIM: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
-    """Online softmax of q [BLOCK_M, BLOCK_DIM] over keys [key_begin, key_end), causal by query_pos.
-
-    key_cache_ptr / value_cache_ptr already point at this program's kv head. Returns the
-    unnormalised (acc, row_max, row_sum), scores in log2 units; a row that saw no key has
-    row_max -inf and row_sum 0.
-    """
-    acc = tl.zeros([BLOCK_M, BLOCK_DIM], dtype=tl.float32)
-    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    dims = tl.arange(0, BLOCK_DIM)
-    dim_mask = dims < HEAD_DIM
-    for tile_begin in range(key_begin, key_end, BLOCK_N):
-        keys = tile_begin + tl.arange(0, BLOCK_N)
-        in_range = keys < key_end
-        block = tl.load(block_table_ptr + keys // block_size, mask=in_range, other=0).to(tl.int64)
-        slots = block * cache_block_stride + (keys % block_size) * cache_slot_stride
-        # Out-of-range slots load zeros, not whatever the cache holds: 0 * NaN would poison the dot.
-        k_t = tl.load(key_cache_ptr + slots[None, :] + dims[:, None],
-                      mask=in_range[None, :] & dim_mask[:, None], other=0.0)
-        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
-        visible = in_range[None, :] & (keys[None, :] <= query_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        # A row with nothing visible yet keeps max -inf; subtract 0 then, not -inf (inf - inf = nan).
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        p = tl.exp2(scores - safe_max[:, None])
-        correction = tl.exp2(row_max - safe_max)
-        row_sum = row_sum * correction + tl.sum(p, axis=1)
-        v = tl.load(value_cache_ptr + slots[:, None] + dims[None, :],
-                    mask=in_range[:, None] & dim_mask[None, :], other=0.0)
-        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        row_max = new_max
-    return acc, row_max, row_sum
-
-
-# num_seqs changes with the batch: specialising on its value (1, multiples of 16) would
-# compile the kernel again for CUDA-graph buckets that need no new code.
-@triton.jit(do_not_specialize=["num_seqs"])
-def _paged_attention_kernel(
-    query_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, num_seqs, scale_log2,
-    query_token_stride, query_head_stride, out_token_stride, out_head_stride, block_table_stride,
-    cache_block_stride, cache_slot_stride, cache_head_stride, block_size,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_DIM: tl.constexpr, KV_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
-
-    seq = _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
-    query_begin = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_begin
-    first_row = (tile - (query_begin // BLOCK_Q + seq)) * BLOCK_Q
-    if first_row >= query_len:  # a spare tile of this sequence
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context_len = seq_len - query_len  # tokens before this step's first query
-
-    rows = tl.arange(0, BLOCK_M)
-    query_row = first_row + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_valid = (rows < BLOCK_Q * GROUP) & (query_row < query_len)
-    token = (query_begin + query_row).to(tl.int64)
-    query_pos = context_len + query_row
-    dims = tl.arange(0, BLOCK_DIM)
-    io_mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
-    q = tl.load(query_ptr + token[:, None] * query_token_stride + head[:, None] * query_head_stride
-                + dims[None, :], mask=io_mask, other=0.0)
-
-    # The tile's last query sees keys [0, key_end); a split takes a run of whole key tiles.
-    key_end = tl.minimum(seq_len, context_len + first_row + BLOCK_Q)
-    tiles_per_split = tl.cdiv(tl.cdiv(key_end, BLOCK_N), KV_SPLITS)
-    key_begin = split * tiles_per_split * BLOCK_N
-    key_end = tl.minimum(key_end, key_begin + tiles_per_split * BLOCK_N)
-
-    acc, row_max, row_sum = _attend(
-        q, query_pos, key_begin, key_end, block_tables_ptr + seq * block_table_stride,
-        key_cache_ptr + kv_head * cache_head_stride, value_cache_ptr + kv_head * cache_head_stride,
-        cache_block_stride, cache_slot_stride, block_size, scale_log2,
-        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_DIM, DOT_PRECISION,
-    )
-    if KV_SPLITS == 1:
-        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
-        out_ptrs = out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims[None, :]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
-    else:
-        # partials are [tokens, query heads, KV_SPLITS (, BLOCK_DIM)], contiguous fp32
-        partial_row = (token * (tl.num_programs(1) * GROUP) + head) * KV_SPLITS + split
-        tl.store(partial_max_ptr + partial_row, row_max, mask=row_valid)
-        tl.store(partial_sum_ptr + partial_row, row_sum, mask=row_valid)
-        tl.store(partial_acc_ptr + partial_row[:, None] * BLOCK_DIM + dims[None, :], acc, mask=io_mask)
-
-
-@triton.jit(do_not_specialize=["num_seqs"])
-def _merge_splits_kernel(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr,
-                         num_seqs, out_token_stride, out_head_stride,
-                         HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, KV_SPLITS: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    if token >= tl.load(query_start_loc_ptr + num_seqs):  # padding past the batch
-        return
-    partial_row = (token * tl.num_programs(1) + head) * KV_SPLITS
-    splits = tl.arange(0, KV_SPLITS)
-    split_max = tl.load(partial_max_ptr + partial_row + splits)
-    split_sum = tl.load(partial_sum_ptr + partial_row + splits)
-    # Every row sees key 0 in split 0, so the overall max is finite; empty splits weigh 0.
-    weight = tl.exp2(split_max - tl.max(split_max, axis=0))
-    dims = tl.arange(0, BLOCK_DIM)
-    split_acc = tl.load(partial_acc_ptr + (partial_row + splits)[:, None] * BLOCK_DIM + dims[None, :])
-    out = tl.sum(split_acc * weight[:, None], axis=0) / tl.sum(split_sum * weight, axis=0)
-    tl.store(out_ptr + token * out_token_stride + head * out_head_stride + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
 
 
 @dataclass(frozen=True)
@@ -347,7 +196,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
         partial_sum = torch.empty_like(partial_max)
         partial_acc = torch.empty(*partial_max.shape, block_dim, dtype=torch.float32, device=query.device)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    _paged_attention_kernel[(num_tiles, num_kv_heads, splits)](
+    paged_attention_kernel[(num_tiles, num_kv_heads, splits)](
         query, key_cache, value_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         partial_acc, partial_max, partial_sum, num_seqs, scale * math.log2(math.e),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
@@ -359,7 +208,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
         num_warps=tiles.num_warps,
     )
     if splits > 1:
-        _merge_splits_kernel[(query.shape[0], num_heads)](
+        merge_splits_kernel[(query.shape[0], num_heads)](
             out, partial_acc, partial_max, partial_sum, meta.query_start_loc, num_seqs,
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_DIM=block_dim, KV_SPLITS=splits,
             num_warps=4,

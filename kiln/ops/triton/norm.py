@@ -9,49 +9,11 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
+
+from kiln.ops.triton.kernels.norm import fused_add_rms_norm_kernel, rms_norm_kernel
 
 # A whole row lives in registers; past this the kernel would need a loop over the row.
 MAX_HIDDEN_SIZE = 65536
-
-
-@triton.jit
-def _scaled_rms_norm(row, weight_ptr, cols, col_mask, hidden_size, eps, input_dtype: tl.constexpr):
-    """weight * rms_norm(row) in fp32; `row` is fp32 holding values of `input_dtype`."""
-    mean_square = tl.sum(row * row, axis=0) / hidden_size
-    normed = (row * tl.math.rsqrt(mean_square + eps)).to(input_dtype).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    return normed * weight
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, x_row_stride, out_row_stride, hidden_size, eps,
-                     BLOCK: tl.constexpr):
-    row_index = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    col_mask = cols < hidden_size
-    row = tl.load(x_ptr + row_index * x_row_stride + cols, mask=col_mask, other=0.0)
-    out = _scaled_rms_norm(row.to(tl.float32), weight_ptr, cols, col_mask, hidden_size, eps,
-                           x_ptr.dtype.element_ty)
-    out_ptrs = out_ptr + row_index * out_row_stride + cols
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=col_mask)
-
-
-@triton.jit
-def _fused_add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
-                               x_row_stride, residual_row_stride, out_row_stride, hidden_size, eps,
-                               BLOCK: tl.constexpr):
-    row_index = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    col_mask = cols < hidden_size
-    x = tl.load(x_ptr + row_index * x_row_stride + cols, mask=col_mask, other=0.0)
-    residual = tl.load(residual_ptr + row_index * residual_row_stride + cols, mask=col_mask, other=0.0)
-    # Round the sum to the input dtype once, exactly as `x + residual` does in torch.
-    summed = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    tl.store(new_residual_ptr + row_index * hidden_size + cols, summed, mask=col_mask)
-    out = _scaled_rms_norm(summed.to(tl.float32), weight_ptr, cols, col_mask, hidden_size, eps,
-                           x_ptr.dtype.element_ty)
-    tl.store(out_ptr + row_index * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -83,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.shape[0] == 0:
         return out
     out_rows = out.view(-1, x.shape[-1])
-    _rms_norm_kernel[(rows.shape[0],)](
+    rms_norm_kernel[(rows.shape[0],)](
         rows, weight, out_rows, rows.stride(0), out_rows.stride(0), x.shape[-1], eps,
         **_launch_config(x.shape[-1]),
     )
@@ -105,7 +67,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if rows.shape[0] == 0:
         return out, new_residual
     out_rows = out.view(-1, x.shape[-1])
-    _fused_add_rms_norm_kernel[(rows.shape[0],)](
+    fused_add_rms_norm_kernel[(rows.shape[0],)](
         rows, residual_rows, weight, out_rows, new_residual, rows.stride(0), residual_rows.stride(0),
         out_rows.stride(0), x.shape[-1], eps, **_launch_config(x.shape[-1]),
     )

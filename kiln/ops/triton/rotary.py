@@ -14,46 +14,8 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
-
-@triton.jit
-def _rotate_heads(x_ptr, out_ptr, token, x_token_stride, num_heads, cos, sin, partner_cols, sign,
-                  HEAD_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr):
-    heads = tl.arange(0, BLOCK_HEADS)[:, None]
-    cols = tl.arange(0, BLOCK_DIM)[None, :]
-    mask = (heads < num_heads) & (cols < HEAD_DIM)
-    head_ptrs = x_ptr + token * x_token_stride + heads * HEAD_DIM
-    x = tl.load(head_ptrs + cols, mask=mask, other=0.0).to(tl.float32)
-    partner = tl.load(head_ptrs + partner_cols, mask=mask, other=0.0).to(tl.float32)
-    out = x * cos + sign * partner * sin
-    out_ptrs = out_ptr + token * num_heads * HEAD_DIM + heads * HEAD_DIM + cols
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr,
-                   q_token_stride, k_token_stride, cache_row_stride, num_q_heads, num_kv_heads,
-                   HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr,
-                   BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    half: tl.constexpr = ROTARY_DIM // 2
-    cols = tl.arange(0, BLOCK_DIM)[None, :]
-    rotated = cols < ROTARY_DIM
-    first_half = cols < half
-    freq = tl.where(first_half, cols, cols - half)
-    cache_row = cache_ptr + position * cache_row_stride
-    cos = tl.load(cache_row + freq, mask=rotated, other=1.0)
-    sin = tl.load(cache_row + half + freq, mask=rotated, other=0.0)
-    dtype = q_ptr.dtype.element_ty
-    cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
-    partner_cols = tl.where(first_half, cols + half, tl.where(rotated, cols - half, cols))
-    sign = tl.where(first_half, -1.0, 1.0)
-    _rotate_heads(q_ptr, q_out_ptr, token, q_token_stride, num_q_heads, cos, sin, partner_cols, sign,
-                  HEAD_DIM, BLOCK_Q_HEADS, BLOCK_DIM)
-    _rotate_heads(k_ptr, k_out_ptr, token, k_token_stride, num_kv_heads, cos, sin, partner_cols, sign,
-                  HEAD_DIM, BLOCK_KV_HEADS, BLOCK_DIM)
+from kiln.ops.triton.kernels.rotary import rotary_kernel
 
 
 def _check(positions, q, k, cos_sin_cache, head_dim) -> None:
@@ -84,7 +46,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if num_tokens == 0:
         return q_out, k_out
     num_q_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
-    _rotary_kernel[(num_tokens,)](
+    rotary_kernel[(num_tokens,)](
         positions, q, k, cos_sin_cache, q_out, k_out, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
         num_q_heads, num_kv_heads,
         HEAD_DIM=head_dim, ROTARY_DIM=cos_sin_cache.shape[-1], BLOCK_DIM=triton.next_power_of_2(head_dim),

@@ -1,0 +1,110 @@
+"""The skinny-matmul (GEMV) Triton kernels (the device code; kiln.ops.triton.gemv chooses a config and
+launches them)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_result(acc, rows, cols, M, N, out_ptr, out_row_stride, ws_ptr, counter_ptr, pid_n, pid_k,
+                  SPLIT_K: tl.constexpr):
+    """Write the fp32 tile `acc` (rows x cols, broadcast index tensors of its shape) to out;
+    with split-K, through the workspace and the last-arriver reduction."""
+    mask = (rows < M) & (cols < N)
+    out_ptrs = out_ptr + rows * out_row_stride + cols
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        slab = M * N
+        tl.store(ws_ptr + pid_k * slab + rows * N + cols, acc, mask=mask)
+        # Every thread's partial is stored before one thread publishes the arrival (release);
+        # the last arriver's acquire makes the other programs' partials visible to it.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for split in tl.static_range(SPLIT_K):
+                # .cg: read at L2, where the other SMs' stores are, never a stale L1 line.
+                total += tl.load(ws_ptr + split * slab + rows * N + cols, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _tile_start(x_ptr, w_ptr, M, N, K, x_row_stride, w_row_stride,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """A program's rows, columns, K range and first chunk's pointers (both kernels)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # Splits start at multiples of BLOCK_K, so only the last chunk of K can be partial.
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    # Columns past N read row N - 1 (their results are masked at the store): no mask on
+    # the weight loads, which keeps them full width.
+    w_rows = tl.minimum(cols, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + w_rows[:, None] * w_row_stride + (k_start + ks)[None, :]
+    x_ptrs = x_ptr + rows[:, None] * x_row_stride + (k_start + ks)[None, :]
+    return pid_n, pid_k, rows, cols, ks, k_start, k_end, w_ptrs, x_ptrs
+
+
+@triton.jit
+def _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K: tl.constexpr):
+    """One BLOCK_K chunk of W's tile (streamed once: evict first) and of x."""
+    row_mask = rows[:, None] < M
+    if EVEN_K:
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+        x = tl.load(x_ptrs, mask=row_mask, other=0.0)
+    else:
+        k_mask = (k + ks) < K
+        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptrs, mask=row_mask & k_mask[None, :], other=0.0)
+    return w, x
+
+
+@triton.jit
+def gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
+                     x_row_stride, w_row_stride, out_row_stride,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_n, pid_k, rows, cols, ks, k_start, k_end, w_ptrs, x_ptrs = _tile_start(
+        x_ptr, w_ptr, M, N, K, x_row_stride, w_row_stride, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        w, x = _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K)
+        if BLOCK_M == 1:
+            acc += w.to(tl.float32) * x.to(tl.float32)
+        else:
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if BLOCK_M == 1:
+        result = tl.sum(acc, axis=1)[None, :]
+    else:
+        result = tl.sum(acc, axis=2)
+    _store_result(result, rows[:, None], cols[None, :], M, N, out_ptr, out_row_stride, ws_ptr, counter_ptr,
+                  pid_n, pid_k, SPLIT_K)
+
+
+@triton.jit
+def gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
+                     x_row_stride, w_row_stride, out_row_stride,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid_n, pid_k, rows, cols, ks, k_start, k_end, w_ptrs, x_ptrs = _tile_start(
+        x_ptr, w_ptr, M, N, K, x_row_stride, w_row_stride, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y.T's tile
+    for k in range(k_start, k_end, BLOCK_K):
+        w, x = _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    _store_result(acc, rows[None, :], cols[:, None], M, N, out_ptr, out_row_stride, ws_ptr, counter_ptr,
+                  pid_n, pid_k, SPLIT_K)
