@@ -62,6 +62,9 @@ def child(args: argparse.Namespace) -> None:
         "ready_wall": ready, "engine_ready_s": engine.timeline.ready_seconds, "phases_s": phases,
         "compile_phase_s": sum(phases.get(p, 0.0) for p in COMPILE_PHASES), "capture_s": phases.get("cudagraphs", 0.0),
         "triton_compiles": triton_kernels.counts()["compiled"], "triton_cache_hits": triton_kernels.counts()["cache_hits"],
+        "triton_compiled_in_workers": triton_kernels.counts()["compiled_in_workers"],
+        "precompile_s": triton_kernels.counts()["precompile_s"],
+        "precompile_kernel_s": triton_kernels.counts()["precompile_kernel_s"],
         "inductor_compiles": stats["inductor_compiles"], "dynamo_graphs": stats["graphs_seen"],
         "describe": engine.runner.compiled.describe()}))
 
@@ -151,7 +154,8 @@ def main() -> None:
                 r = report["modes"][mode][case]
                 print(f"{mode:8s} {case:9s} engine ready {r['engine_ready_s']:6.2f} s, process ready "
                       f"{r['process_ready_s']:6.2f} s, compile {r['compile_phase_s']:5.2f} s, capture "
-                      f"{r['capture_s']:5.2f} s, Triton compiles {r['triton_compiles']}, Inductor compiles "
+                      f"{r['capture_s']:5.2f} s, Triton compiles {r['triton_compiles']} ({r['triton_compiled_in_workers']} in "
+                      f"workers), kernels phase {r['phases_s'].get('kernels', 0):.2f} s, Inductor compiles "
                       f"{r['inductor_compiles']}, Dynamo graphs {r['dynamo_graphs']}", flush=True)
         if not args.no_reference:
             try:

@@ -86,8 +86,16 @@ class ForwardCudagraphs:
         log_capture(self.pool, used)
         return self.stats
 
-    def _capture(self, phase: PhasePlan, bucket: int, kv_caches: dict[str, torch.Tensor]) -> None:
-        choice = CudagraphChoice(phase.name, phase.mode, phase.compiler, bucket)
+    def warm_up(self, kv_caches: dict[str, torch.Tensor], todo: list[tuple[PhasePlan, int]]) -> None:
+        """The ordinary run that precedes each capture, for each (phase, bucket) of `todo` (a
+        slice of dispatcher.captures()), without capturing: what those runs launch."""
+        for phase, bucket in todo:
+            forward, (ids, pos, meta) = self._bucket_inputs(phase, bucket)
+            with set_forward_context(meta, kv_caches), torch.inference_mode(), self.pool.capturing():
+                forward(ids, pos)
+
+    def _bucket_inputs(self, phase: PhasePlan, bucket: int) -> tuple[Callable, tuple]:
+        """The forward a (phase, bucket) graph records, and its inputs in the step buffers."""
         # No real tokens: a graph records launches and addresses, and the kernels' grids depend
         # only on shapes, so an all-padding step captures the same graph as a real one.
         empty = PackedStep([], [], [], [], [], [0])
@@ -95,8 +103,11 @@ class ForwardCudagraphs:
             num_seqs, max_query_len, max_seq_len = self._full_shape(phase.name, bucket)
         else:
             num_seqs, max_query_len, max_seq_len = 0, 1, 1
-        ids, pos, meta = self.buffers.load(empty, bucket, num_seqs, max_query_len, max_seq_len)
-        forward = self._forward(choice)
+        inputs = self.buffers.load(empty, bucket, num_seqs, max_query_len, max_seq_len)
+        return self._forward(CudagraphChoice(phase.name, phase.mode, phase.compiler, bucket)), inputs
+
+    def _capture(self, phase: PhasePlan, bucket: int, kv_caches: dict[str, torch.Tensor]) -> None:
+        forward, (ids, pos, meta) = self._bucket_inputs(phase, bucket)
         with set_forward_context(meta, kv_caches), torch.inference_mode():
             with self.pool.capturing():
                 forward(ids, pos)  # warm-up: compiles, autotunes and allocates outside the capture

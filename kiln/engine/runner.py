@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +15,7 @@ from kiln.compile import CompiledModel, compile_model
 from kiln.compile.cache import CompileCache
 from kiln.compile.cache import triton_kernels
 from kiln.compile.cache.preload import preload_if_warm
+from kiln.compile.triton_precompile import MissingKernels, compile_all, triton_target
 from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
 from kiln.cudagraph import CudagraphChoice, CudagraphDispatcher, ForwardCudagraphs, PackedStep, StepBuffers
 from kiln.engine.sampler import sample
@@ -70,6 +74,20 @@ def compile_forward(model: torch.nn.Module, config: EngineConfig, cache: Compile
     return compiled
 
 
+def _in_background(fn: Callable) -> concurrent.futures.Future:
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+    future = executor.submit(fn)
+    executor.shutdown(wait=False)
+    return future
+
+
+def _tuning() -> bool:
+    """Inside kiln prewarm's GEMV tuning, where every launch must really run to be timed."""
+    from kiln.ops.triton import gemv_configs  # Triton is there only with a GPU
+
+    return gemv_configs.is_tuning()
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, timeline: StartupTimeline):
         self.config = config
@@ -79,34 +97,44 @@ class ModelRunner:
         cache = compile_cache(source, self.dtype, self.custom_ops)
         if self.device.type == "cuda":  # kiln's own kernels compile into the cache root (where one is on)
             triton_kernels.use_cache_root(cache.root.path) if cache is not None else triton_kernels.listen()
-        # A warm start's once-per-process work (imports, torch's and Triton's keys) runs while the weights load.
+        # A warm start's once-per-process work (imports, torch's and Triton's keys) runs while the weights load,
+        # and so does Triton's driver start (on a fresh machine it builds its C utilities first: ~0.7 s).
         preload_if_warm(config.compilation_config, cache, self.device)
+        target = _in_background(triton_target) if self.device.type == "cuda" else None
         with timeline.phase("weights"):
             self.model = build_model(source.config, self.dtype, self.device, self.custom_ops,
                                      source.weights() if source.weights and config.load_format == "auto" else None)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.compiled = compile_forward(self.model, config, cache, timeline)
+        # On a fresh machine kiln's own Triton kernels are compiled in parallel processes (see
+        # kiln.compile.triton_precompile) before the real warm-up runs and captures, which then
+        # only load them.
+        recorder = MissingKernels(target.result()) if target is not None and not _tuning() else None
+        with recorder or contextlib.nullcontext():
+            self.compiled = compile_forward(self.model, config, cache, timeline)
+            with timeline.phase("kv_cache"):
+                self.num_blocks = self._num_kv_blocks()
+                self.kv_caches = {
+                    layer.layer_name: torch.empty(2, self.num_blocks, self.block_size, layer.num_kv_heads,
+                                                  layer.head_dim, dtype=self.dtype, device=self.device)
+                    for layer in self.attn_layers
+                }
+            model_len = source.config.max_position_embeddings
+            self.max_model_len = min(config.max_model_len or model_len, model_len)
+            self.cudagraphs = ForwardCudagraphs(
+                self.model, self.compiled,
+                CudagraphDispatcher.from_config(config.compilation_config, config.max_num_seqs,
+                                                config.max_num_batched_tokens, enabled=self.device.type == "cuda"),
+                StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
+                            -(-self.max_model_len // self.block_size), self.device),
+                self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug)
+            if recorder is not None:
+                with timeline.phase("kernels"):
+                    self._precompile_kernels(recorder)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
+                    self.num_blocks * self.bytes_per_block / 2**30)
         if "skinny_linear" in self.custom_ops and self.device.type == "cuda":
             with timeline.phase("gemv"):
                 self._warm_gemv()
-        with timeline.phase("kv_cache"):
-            self.num_blocks = self._num_kv_blocks()
-            self.kv_caches = {
-                layer.layer_name: torch.empty(2, self.num_blocks, self.block_size, layer.num_kv_heads,
-                                              layer.head_dim, dtype=self.dtype, device=self.device)
-                for layer in self.attn_layers
-            }
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
-                    self.num_blocks * self.bytes_per_block / 2**30)
-        model_len = source.config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or model_len, model_len)
-        self.cudagraphs = ForwardCudagraphs(
-            self.model, self.compiled,
-            CudagraphDispatcher.from_config(config.compilation_config, config.max_num_seqs,
-                                        config.max_num_batched_tokens, enabled=self.device.type == "cuda"),
-            StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
-                        -(-self.max_model_len // self.block_size), self.device),
-            self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug)
         logger.info("%s", self.cudagraphs.dispatcher.describe())
         if self.cudagraphs.dispatcher.captures():
             with timeline.phase("cudagraphs"):
@@ -139,6 +167,32 @@ class ModelRunner:
                 ids = torch.zeros(n, dtype=torch.long, device=self.device)
                 self.model.compute_logits(self.compiled(ids, ids))
         torch.cuda.synchronize()
+
+    def _precompile_kernels(self, missing: MissingKernels) -> None:
+        """Run what start-up runs next (each graph's warm-up, the GEMV warm-up) with missing
+        kernels recorded instead of compiled, then compile those (and any the compile phase
+        and the KV-cache profile recorded) in parallel processes. The first run (the smallest
+        graph's) is a probe: when nothing is missing after it, the kernels are in Triton's
+        cache dir and the other runs are left to the real start."""
+        todo = self.cudagraphs.dispatcher.captures()  # largest first
+        runs = [lambda: self.cudagraphs.warm_up(self.kv_caches, todo[-1:])] if todo else []
+        if "skinny_linear" in self.custom_ops:
+            runs.append(self._warm_gemv)
+        runs.append(lambda: self.cudagraphs.warm_up(self.kv_caches, todo[:-1]))
+        for i, run in enumerate(runs):
+            if i == 1 and not missing.launches:
+                return
+            run()
+        torch.cuda.synchronize()
+        if not missing.launches:
+            return
+        from triton import knobs
+
+        done = compile_all(list(missing.launches.values()), missing.target, knobs.cache.dir)
+        triton_kernels.add_worker_compiles(done)
+        logger.info("Triton: %d kernels compiled in %d processes in %.2f s%s", done["compiled"], done["workers"],
+                    done["seconds"], f" ({done['failed']} failed: they compile at their launch)"
+                    if done["failed"] else "")
 
     def _profile_gpu_blocks(self) -> int:
         """Blocks that fit in the GPU share left after a forward of the largest batch."""

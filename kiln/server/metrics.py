@@ -19,7 +19,7 @@ from kiln.engine.outputs import RequestOutput
 # Timeline phases that count as compilation and as graph capture. Phases with other names
 # still appear, under kiln_startup_phase_seconds.
 COMPILE_PHASES = ("dynamo", "split", "inductor", "cache_load")
-CAPTURE_PHASES = ("graph_capture",)
+CAPTURE_PHASES = ("cudagraphs",)
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -120,9 +120,9 @@ class _EngineCollector:
                      sum(info["phases_s"].get(p, 0.0) for p in CAPTURE_PHASES))
 
         kernels = triton_kernels.counts()
-        yield CounterMetricFamily("kiln_triton_kernels_compiled", "Kernels Triton compiled in this process (kiln's "
-                                  "own; Inductor's compile workers are not seen); 0 on a start from an imported "
-                                  "or warm cache root", value=kernels["compiled"])
+        yield CounterMetricFamily("kiln_triton_kernels_compiled", "Kernels Triton compiled for this process (kiln's "
+                                  "own, here or in kiln's precompile workers; Inductor's compile workers are not "
+                                  "seen); 0 on a start from an imported or warm cache root", value=kernels["compiled"])
         yield CounterMetricFamily("kiln_triton_kernels_cached", "Kernels Triton found in its cache in this process",
                                   value=kernels["cache_hits"])
         stats = self.engine.engine.runner.compiled.stats if self.engine.engine else {}

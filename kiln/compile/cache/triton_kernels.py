@@ -15,7 +15,7 @@ from pathlib import Path
 
 TRITON_DIR = "triton"
 
-_counts = {"compiled": 0, "cache_hits": 0}
+_counts = {"compiled": 0, "compiled_in_workers": 0, "cache_hits": 0, "precompile_s": 0.0, "precompile_kernel_s": 0.0}
 _listening = False
 
 
@@ -55,7 +55,17 @@ def listen() -> None:
     _listening = True
 
 
-def counts() -> dict[str, int]:
-    """{"compiled": kernels Triton compiled in this process, "cache_hits": found in its cache}.
-    Inductor's own compiles in its worker processes are not seen here."""
+def add_worker_compiles(done: dict) -> None:
+    """Count what kiln.compile.triton_precompile.compile_all compiled for this process."""
+    _counts["compiled"] += done["compiled"]
+    _counts["compiled_in_workers"] += done["compiled"]
+    _counts["precompile_s"] += done["seconds"]
+    _counts["precompile_kernel_s"] += done["kernel_seconds"]
+
+
+def counts() -> dict[str, float]:
+    """{"compiled": kernels Triton compiled for this process (in it, or in kiln's precompile
+    workers: "compiled_in_workers" of them, taking "precompile_s", "precompile_kernel_s" summed
+    over the kernels), "cache_hits": found in its cache}. Inductor's own
+    compiles in its worker processes are not seen here."""
     return dict(_counts)
