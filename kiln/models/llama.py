@@ -28,6 +28,7 @@ from kiln.models.parallel_layers import (
     ShardedLayer,
     VocabParallelEmbedding,
     per_rank,
+    store,
 )
 from kiln.ops import Attention, RMSNorm, RotaryEmbedding, SiluAndMul
 
@@ -172,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)} does not fit "
                                  f"{target} of shape {tuple(params[target].shape)}")
             else:
-                params[target].data.copy_(tensor)
+                store(params[target], tensor)
             written.add((target, shard or 0))
         missing = []
         for name in params:
@@ -181,3 +182,4 @@ class LlamaForCausalLM(nn.Module):
             missing += [f"{name}[{i}]" for i in range(shards) if (name, i) not in written]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+

@@ -73,8 +73,11 @@ class ColumnParallelLinear(ShardedLayer):
         for i, source in parts:
             _check_shape(source, (self.output_sizes[i], self.full_weight_shape[1]))
             rows = self.shard_sizes[i]
-            dest = self.weight.data.narrow(0, sum(self.shard_sizes[:i]), rows)
-            dest.copy_(source.narrow(0, self.tp.rank * rows, rows))
+            mine = source.narrow(0, self.tp.rank * rows, rows)
+            if len(self.output_sizes) == 1:
+                store(self.weight, mine)
+            else:
+                self.weight.data.narrow(0, sum(self.shard_sizes[:i]), rows).copy_(mine)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.weight)
@@ -101,7 +104,7 @@ class RowParallelLinear(ShardedLayer):
 
     def load_weight(self, full: torch.Tensor, part: int | None = None) -> None:
         _check_shape(full, self.full_weight_shape)
-        self.weight.data.copy_(full.narrow(1, self.tp.rank * self.shard_cols, self.shard_cols))
+        store(self.weight, full.narrow(1, self.tp.rank * self.shard_cols, self.shard_cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.weight)
@@ -130,7 +133,7 @@ class VocabParallelEmbedding(ShardedLayer):
 
     def load_weight(self, full: torch.Tensor, part: int | None = None) -> None:
         _check_shape(full, self.full_weight_shape)
-        self.weight.data.copy_(full.narrow(0, self.tp.rank * self.shard_vocab, self.shard_vocab))
+        store(self.weight, full.narrow(0, self.tp.rank * self.shard_vocab, self.shard_vocab))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -139,6 +142,19 @@ class VocabParallelEmbedding(ShardedLayer):
         mine = (local >= 0) & (local < self.shard_vocab)
         rows = F.embedding(torch.where(mine, local, 0), self.weight)
         return all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype), self.tp.group_name)
+
+
+def store(param: torch.Tensor, source: torch.Tensor) -> None:
+    """Write a checkpoint tensor into a parameter: by adopting it as the parameter's data when
+    it is exactly that (the same shape, dtype and device, contiguous, owning just its own
+    storage: a view would keep a larger buffer alive), else by a copy. Adopting skips the copy
+    and the page faults of writing untouched memory, most of a CPU load."""
+    if (source.shape == param.shape and source.dtype == param.dtype and source.device == param.device
+            and source.is_contiguous() and source.storage_offset() == 0
+            and source.untyped_storage().nbytes() == source.numel() * source.element_size()):
+        param.data = source
+    else:
+        param.data.copy_(source)
 
 
 def _check_shape(tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
