@@ -4,6 +4,7 @@ contradictions fail here, at start-up. The compilation settings are kiln.compile
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,7 @@ DEFAULT_GPU_GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
 CUSTOM_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "skinny_linear")
 CUSTOM_OP_BASES = ("all", "none")
 CUSTOM_OPS_EXAMPLE = '["none", "+rms_norm"]'
+CPU_STEP_SECONDS = 1.0  # max_step_seconds' default on the CPU
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -45,6 +47,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides both budgets (tests, small-memory runs)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Prefill chunks are also cut to fit this many seconds a step (kiln.engine.scheduler), so a
+    # shutdown deadline or the decodes beside a long prompt wait at most about that long. None:
+    # 1 s on the CPU, no time budget on a GPU (whose steps take milliseconds); inf: none.
+    max_step_seconds: float | None = None
     max_model_len: int | None = None  # None: the model's context length
     custom_ops: list[str] = field(default_factory=list)  # e.g. ["none", "+rms_norm"]
     seed: int = 0
@@ -63,6 +69,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_step_seconds is not None and not self.max_step_seconds > 0:  # NaN fails too
+            raise ValueError(f"max_step_seconds must be > 0 (inf: no time budget), got {self.max_step_seconds}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy' (random weights), got {self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -96,6 +104,14 @@ class EngineConfig:
         if tp > 1 and self.torch_device.type == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs (one process each) but torch sees "
                              f"{torch.cuda.device_count()}; lower it to at most {torch.cuda.device_count()}")
+
+    @property
+    def step_time_budget(self) -> float | None:
+        """The seconds a step's prefill chunks are cut to fit, or None (no time budget)."""
+        budget = self.max_step_seconds
+        if budget is None:
+            budget = CPU_STEP_SECONDS if self.torch_device.type == "cpu" else math.inf
+        return None if math.isinf(budget) else budget
 
     @property
     def compilation_config(self) -> CompilationConfig:
@@ -143,6 +159,9 @@ class EngineConfig:
         p.add_argument("--max-model-len", type=int, default=None)
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        p.add_argument("--max-step-seconds", type=float, default=None,
+                       help="cut prefill chunks to fit this many seconds a step (default: 1 on the CPU, none on a "
+                            "GPU; inf: none)")
         p.add_argument("--block-size", type=int, default=16)
         p.add_argument("--kv-cache-gib", type=float, default=1.0)
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -159,7 +178,8 @@ class EngineConfig:
         values = dict(
             compilation=compilation_config_from_args(args), model=args.model, device=args.device, dtype=args.dtype,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_step_seconds=args.max_step_seconds,
+            block_size=args.block_size,
             kv_cache_gib=args.kv_cache_gib, gpu_memory_utilization=args.gpu_memory_utilization,
             custom_ops=[s for s in args.custom_ops.split(",") if s], tensor_parallel_size=args.tensor_parallel_size,
             load_format=args.load_format)

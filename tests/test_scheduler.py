@@ -79,3 +79,40 @@ def test_finish_returns_blocks():
     assert bm.num_free_blocks == 5
     sched.finish(a, "abort")
     assert bm.num_free_blocks == 8 and not sched.has_unfinished()
+
+
+def test_a_time_budget_cuts_prefill_chunks_and_never_decodes():
+    from kiln.engine.scheduler import FIRST_PREFILL_TOKENS, MIN_PREFILL_TOKENS
+
+    sched = Scheduler(BlockManager(512, 4), max_num_seqs=16, max_num_batched_tokens=1024, max_step_seconds=1.0)
+    decoders = [_seq(f"d{i}", 2) for i in range(8)]
+    for d in decoders:
+        sched.add(d)
+    _run(sched.schedule())  # their prompts: 16 tokens, too few to cost a step
+    assert sched.seconds_per_token is None
+    long = _seq("long", 1500)
+    sched.add(long)
+    batch = sched.schedule()  # no cost known yet: a first chunk of fixed size
+    assert batch.num_new_tokens == [1] * 8 + [FIRST_PREFILL_TOKENS]
+    _run(batch)
+    sched.observe(batch, batch.num_tokens * 0.01)  # 10 ms a token: 100 tokens fit in the second
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [1] * 8 + [100]
+    _run(batch)
+    sched.observe(batch, 108 * 0.1)  # much slower (the context grew): the cost moves half way
+    assert abs(sched.seconds_per_token - 0.055) < 1e-9
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [1] * 8 + [18]
+    _run(batch)
+    sched.observe(batch, 26 * 10.0)  # too few tokens to cost: ignored
+    sched.observe(batch.__class__(batch.seqs, [40] * 9), 360 * 10.0)  # absurdly slow: floor
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [1] * 8 + [MIN_PREFILL_TOKENS]  # every decode still runs
+
+
+def test_without_a_time_budget_only_tokens_bound_a_chunk():
+    sched = Scheduler(BlockManager(512, 4), max_num_seqs=4, max_num_batched_tokens=1024)
+    sched.add(_seq("long", 1500))
+    batch = sched.schedule()
+    sched.observe(batch, 1000.0)
+    assert batch.num_new_tokens == [1024] and sched.seconds_per_token is None

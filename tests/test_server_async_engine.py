@@ -104,3 +104,36 @@ def test_start_up_failure_is_reported():
         return failures
 
     assert "unknown model" in str(asyncio.run(main())[0])
+
+
+def test_the_shutdown_deadline_runs_from_stop_not_from_the_end_of_the_step(monkeypatch):
+    """stop() arrives mid-step: the deadline counts from then, so once the running step ends
+    past it no further step starts (before, the timeout began only after that step)."""
+    import time
+
+    from kiln.engine.llm_engine import LLMEngine
+
+    real_step, starts = LLMEngine.step, []
+
+    def slow_step(self):
+        starts.append(time.monotonic())
+        time.sleep(1.0)
+        return real_step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", slow_step)
+
+    async def main():
+        engine = await _started(_config())
+        outputs = await engine.add_request([1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True))
+        while not starts:
+            await asyncio.sleep(0.01)
+        stopped = time.monotonic()
+        engine.stop(0.3)  # well inside the 1 s step that is running
+        with pytest.raises(RequestAborted, match="shut down"):
+            async for _ in outputs:
+                pass
+        await engine.shutdown()
+        return stopped
+
+    stopped = asyncio.run(main())
+    assert [t for t in starts if t > stopped] == [], "a step started after the deadline had passed"

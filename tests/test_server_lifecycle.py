@@ -64,3 +64,52 @@ def test_bad_engine_argument_fails_before_the_port_opens():
     finally:
         server.stop()
     assert server.port_open_s is None and "exactly one base" in server.log_text()
+
+
+def test_sigterm_during_a_long_prefill_ends_every_request_within_the_deadline():
+    """A 6k-token prompt beside a stream, SIGTERM mid-prefill with a 2 s timeout: steps are
+    bounded in time on the CPU, so the deadline holds. The stream ends with an error event and
+    [DONE], the long request gets a JSON error, and the process exits soon after the deadline
+    (before, the same run lived minutes past the signal and cut the stream mid-chunk)."""
+    import http.client
+    import json
+    import time
+
+    server = ServerProcess("--shutdown-timeout", "2", "--max-num-batched-tokens", "8192")
+    results = {}
+
+    def post(name, body, stream):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if stream:
+            results[name] = [line.decode().strip() for line in response if line.strip()]
+        else:
+            results[name] = (response.status, response.read())
+        conn.close()
+
+    try:
+        server.wait_ready()
+        streamer = threading.Thread(target=post, args=("stream", {
+            "model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True, "stream": True}, True))
+        streamer.start()
+        long = threading.Thread(target=post, args=("long", {
+            "model": MODEL, "prompt": "the cat sat on the mat " * 1000, "max_tokens": 4}, False))
+        long.start()
+        time.sleep(1.5)
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(60)
+        exit_s = time.monotonic() - signalled
+        streamer.join(30)
+        long.join(30)
+    finally:
+        server.stop()
+    log = server.log_text()
+    assert exit_s < 2 + 8, f"exited {exit_s:.1f} s after SIGTERM\n{log}"
+    events = results["stream"]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "aborted", events[-3:]
+    status, body = results["long"]
+    assert status == 503 and json.loads(body)["error"]["code"] == "aborted", (status, body)

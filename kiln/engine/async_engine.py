@@ -124,13 +124,14 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
 
     def stop(self, timeout_s: float) -> None:
-        """Refuse new requests; running ones get timeout_s to finish, then are aborted.
+        """Refuse new requests; running ones get timeout_s from now to finish, then are aborted
+        (at the end of the step running then: a step's length is bounded, see Scheduler).
 
         Returns at once, and is safe to call from a signal handler (SimpleQueue.put is
-        reentrant). Only the first call's timeout counts.
+        reentrant). Only the first call's deadline counts.
         """
         self._accepting = False
-        self._commands.put(("stop", timeout_s))
+        self._commands.put(("stop", time.monotonic() + timeout_s))
 
     async def shutdown(self, timeout_s: float = 0.0) -> None:
         """stop(timeout_s), then wait until the engine thread has ended every request."""
@@ -215,9 +216,10 @@ class AsyncEngine:
                 self.engine.abort_request(arg)
                 self._requests.pop(arg, None)
             elif command == "stop" and self._stop_at is None:
-                self._stop_at = time.monotonic() + arg
+                self._stop_at = arg
                 if self._requests:
-                    logger.info("stopping: %d request(s) running get %.1f s to finish", len(self._requests), arg)
+                    logger.info("stopping: %d request(s) running get %.1f s to finish", len(self._requests),
+                                max(0.0, arg - time.monotonic()))
 
     def _add(self, request: _Request) -> None:
         if self._stop_at is not None:

@@ -41,7 +41,7 @@ class LLMEngine:
                 f"request could never run. Lower max_model_len or give the cache more memory "
                 f"(kv_cache_gib on CPU, gpu_memory_utilization on GPU, or num_kv_blocks)")
         self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, config.block_size),
-                                   config.max_num_seqs, config.max_num_batched_tokens)
+                                   config.max_num_seqs, config.max_num_batched_tokens, config.step_time_budget)
         self.eos_token_ids = set(self.source.config.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
@@ -108,7 +108,9 @@ class LLMEngine:
         now = time.time()
         for seq in batch.seqs:
             seq.times.setdefault("scheduled", now)
+        start = time.perf_counter()
         sampled = self.runner.execute(batch)
+        self.scheduler.observe(batch, time.perf_counter() - start)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         outputs = []

@@ -168,6 +168,7 @@ class _SSEStream:
             yield "data: [DONE]\n\n"
         except RequestAborted as e:
             yield f"data: {json.dumps(error_body(503, str(e), code='aborted'))}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
             # Cancelled (the client went away) or aborted: the engine thread frees the blocks.
             if final is None or not final.finished:
