@@ -224,3 +224,15 @@ def test_metrics(server, client):
     # ... and nothing compiled: no Dynamo graph, no Inductor piece, no Triton kernel (a CPU).
     assert metrics["kiln_dynamo_graphs_total"] == metrics["kiln_inductor_compiles_total"] == 0
     assert metrics["kiln_triton_kernels_compiled_total"] == 0
+
+
+def test_a_body_over_the_limit_gets_413_at_once_and_health_stays_quick(server):
+    import time
+
+    start = time.perf_counter()
+    status, body = server.request("POST", "/v1/completions", body=b"x" * (5 << 20),
+                                  headers={"Content-Type": "application/json"})
+    refused_s = time.perf_counter() - start
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large", body[:200]
+    assert refused_s < 5, refused_s  # the old server parsed a body this size for tens of seconds
+    assert server.get("/health")[0] == 200

@@ -21,6 +21,7 @@ from kiln.config import EngineConfig
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.timeline import StartupTimeline
 from kiln.loader import DEFAULT_MODEL
+from kiln.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kiln.server.errors import install_error_handlers
 from kiln.server.metrics import ServerMetrics
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -29,7 +30,8 @@ from kiln.server.serving import OpenAIServing
 
 def build_app(config: EngineConfig, served_model_name: str | None = None,
               timeline: StartupTimeline | None = None,
-              on_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+              on_failure: Callable[[BaseException], None] | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The app; its engine is built in a background thread when the app starts (lifespan)."""
     engine = AsyncEngine(config, timeline)
     model_name = served_model_name or config.model or DEFAULT_MODEL
@@ -48,6 +50,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None,
     app = FastAPI(title="kiln", lifespan=lifespan)
     app.state.engine = engine
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 _FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict"}
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-          500: "server_error", 503: "service_unavailable"}
+          413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -76,8 +76,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
-                        headers=exc.headers)
+    return JSONResponse(error_body(exc.status_code, str(exc.detail), code=getattr(exc, "code", None)),
+                        status_code=exc.status_code, headers=exc.headers)
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:

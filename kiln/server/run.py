@@ -24,14 +24,15 @@ _UVICORN_GRACE_S = 5.0
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
           shutdown_timeout: float = 30.0, access_log: bool = False,
-          timeline: StartupTimeline | None = None) -> int:
+          timeline: StartupTimeline | None = None, max_request_bytes: int | None = None) -> int:
     """Serve until a signal; returns the exit code (1 if the engine failed)."""
     server: _Server | None = None
 
     def exit_on_failure(error: BaseException) -> None:  # a server that cannot serve should not linger
         server.should_exit = True
 
-    app = build_app(config, served_model_name, timeline, exit_on_failure)
+    limit = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes}
+    app = build_app(config, served_model_name, timeline, exit_on_failure, **limit)
     engine = app.state.engine
 
     class _Server(uvicorn.Server):

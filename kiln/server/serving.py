@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -36,7 +37,8 @@ class OpenAIServing:
         tokenizer = self._tokenizer("chat completions need a tokenizer and chat template; "
                                     "send token ids to /v1/completions")
         try:
-            prompt_ids = tokenizer.encode_chat([m.as_template_input() for m in req.messages])
+            # Templating and tokenizing a long conversation take a while: not on the event loop.
+            prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, [m.as_template_input() for m in req.messages])
         except (ValueError, jinja2.TemplateError) as e:
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -51,7 +53,8 @@ class OpenAIServing:
                 raise APIError(400, f"send one prompt per request (got {len(prompt)})", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt = self._tokenizer("this model has no tokenizer: send the prompt as token ids").encode(prompt)
+            tokenizer = self._tokenizer("this model has no tokenizer: send the prompt as token ids")
+            prompt = await asyncio.to_thread(tokenizer.encode, prompt)
         return await self._run(req, raw, "completions", prompt, "prompt", req.max_tokens, "max_tokens")
 
     def _check_request(self, req: ChatCompletionRequest | CompletionRequest) -> None:

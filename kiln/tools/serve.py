@@ -14,6 +14,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds open requests may take to finish on SIGTERM before they are aborted")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="larger request bodies get a 413 before they are read (default 4 MiB)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     EngineConfig.add_arguments(p)
     p.set_defaults(func=run)
@@ -25,5 +27,7 @@ def run(args: argparse.Namespace) -> int:
     timeline = StartupTimeline()  # before the server's imports, so /health times them too
     from kiln.server.run import serve
 
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise SystemExit(f"kiln serve: --max-request-bytes must be >= 1, got {args.max_request_bytes}")
     return serve(EngineConfig.from_args(args), args.host, args.port, args.served_model_name, args.shutdown_timeout,
-                 args.access_log, timeline)
+                 args.access_log, timeline, args.max_request_bytes)
