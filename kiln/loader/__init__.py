@@ -49,6 +49,8 @@ def load_source(model: str | None) -> ModelSource:
         return _from_checkpoint(model, GGUFCheckpoint(path))
     if path.is_dir():
         return _from_checkpoint(model, HFCheckpoint(path))
+    if path.suffix == ".gguf" or model.startswith((".", "/", "~")):
+        raise ValueError(f"model file or folder not found: {str(path)!r}; check the path")
     raise ValueError(f"unknown model {model!r}: pass 'smollm2' (the embedded default), a .gguf "
                      f"file, an HF folder with config.json, or a random-weight preset: "
                      f"{', '.join(sorted(PRESETS))}")

@@ -61,21 +61,33 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    content_type = request.headers.get("content-type", "")
+    if request.method == "POST" and not content_type.split(";")[0].strip().lower().endswith("json"):
+        return APIError(400, f"send the body as JSON with Content-Type: application/json (got "
+                             f"{content_type or 'no Content-Type'!r})", code="invalid_content_type").response()
     first = exc.errors()[0]
     if first["type"] == "json_invalid":
         message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
         return APIError(400, message, code="invalid_json").response()
     param = field_path(tuple(first["loc"]))
+    reason = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
     if param is None:
-        message = f"the request body must be a JSON object: {first['msg']}"
+        message = f"the request body must be a JSON object: {reason}"
     else:
-        message = f"{param}: {first['msg']}"
+        message = f"{param}: {reason}"
         if first["type"] != "missing":
             message += f" (got {first['input']!r:.100})"
     return APIError(400, message, param=param, code=first["type"]).response()
 
 
+# What FastAPI raises when a JSON body cannot even be decoded (e.g. bytes that are not UTF-8).
+_UNREADABLE_BODY = "There was an error parsing the body"
+
+
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    if exc.status_code == 400 and exc.detail == _UNREADABLE_BODY:
+        return APIError(400, "the request body could not be read as JSON: it must be UTF-8 encoded JSON",
+                        code="invalid_json").response()
     return JSONResponse(error_body(exc.status_code, str(exc.detail), code=getattr(exc, "code", None)),
                         status_code=exc.status_code, headers=exc.headers)
 

@@ -88,6 +88,19 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data):
+        # Without this, an image part fails the union as "Input should be a valid string".
+        parts = data.get("content") if isinstance(data, dict) else None
+        if isinstance(parts, list):
+            for part in parts:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"content parts of type {kind!r} are not supported: kiln serves text-only "
+                                     f"models; send text parts or a string")
+        return data
+
     def as_template_input(self) -> dict:
         content = self.content
         if isinstance(content, list):

@@ -117,9 +117,12 @@ def _sampling_params(req, max_tokens: int, max_tokens_param: str) -> SamplingPar
                               include_stop_str_in_output=req.include_stop_str_in_output)
     except ValueError as e:
         # SamplingParams' messages start with the field they are about.
-        field = str(e).split()[0]
+        message = str(e)
+        field = message.split()[0]
+        if field == "max_tokens" and max_tokens_param != field:  # the request said max_completion_tokens
+            message = max_tokens_param + message.removeprefix(field)
         param = max_tokens_param if field == "max_tokens" else field if field in _SAMPLING_FIELDS else None
-        raise APIError(400, str(e), param=param) from None
+        raise APIError(400, message, param=param, code="invalid_value") from None
 
 
 async def _last_output(outputs: AsyncIterator[RequestOutput], raw: Request,
