@@ -111,7 +111,7 @@ class MissingKernels(contextlib.AbstractContextManager):
 def compile_all(launches: list[KernelLaunch], target, cache_dir: str, workers: int | None = None) -> dict:
     """Compile `launches` in up to `workers` processes (default: one per CPU, at most
     MAX_WORKERS) into `cache_dir`; returns {"compiled", "failed", "launchers" (C launchers
-built too; none without a GPU driver), "workers", "seconds", "kernel_seconds" (summed)}.
+    built too; none without a GPU driver), "workers", "seconds", "kernel_seconds" (summed)}.
     A kernel that fails here is logged and left to compile (and fail) at its launch."""
     start = time.perf_counter()
     workers = max(1, min(len(launches), workers or min(os.cpu_count() or 1, MAX_WORKERS)))
