@@ -114,3 +114,39 @@ def test_sigterm_during_a_long_prefill_ends_every_request_within_the_deadline():
     assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "aborted", events[-3:]
     status, body = results["long"]
     assert status == 503 and json.loads(body)["error"]["code"] == "aborted", (status, body)
+
+
+def test_a_client_that_never_reads_does_not_stall_the_others():
+    """One stream whose client reads nothing (its socket buffers fill, the server's send for it
+    waits), beside a normal request: the normal one finishes as if alone."""
+    import http.client
+    import json
+    import socket
+    import time
+
+    server = ServerProcess()
+    try:
+        server.wait_ready()
+        body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+                           "ignore_eos": True, "stream": True}).encode()
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        stalled.connect(("127.0.0.1", server.port))
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(2.0)  # it streams into buffers nobody empties
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        start = time.perf_counter()
+        conn.request("POST", "/v1/completions", body=json.dumps({
+            "model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}),
+            headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        answer = json.loads(response.read())
+        took = time.perf_counter() - start
+        conn.close()
+        status, health = server.get("/health")
+        stalled.close()
+    finally:
+        server.stop()
+    assert response.status == 200 and answer["choices"][0]["finish_reason"] == "length", answer
+    assert status == 200 and took < 30, took
