@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,32 @@ def test_two_concurrent_prewarms_both_succeed_into_one_entry(tmp_path):
     assert sorted(compiles) == [0, 3]  # one compiled, the other waited and loaded its artifacts
     verify = _run("-m", "kiln.cli", "cache", "verify", env={"KILN_CACHE_ROOT": str(root)})
     assert verify.returncode == 0 and f"{entries[0]}: OK" in verify.stdout
+
+
+def test_a_prewarm_killed_mid_compile_leaves_a_partial_entry_the_next_start_rebuilds(tmp_path):
+    root = tmp_path / "root"
+    args = ["-m", "kiln.cli", "prewarm", "--model", "tiny-llama", "--max-num-batched-tokens", str(MAX_TOKENS)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", KILN_CACHE_ROOT=str(root),
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    killed = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    # SIGKILL as soon as the entry's folder exists: capture and compiles take seconds after that.
+    for _ in range(6000):
+        if root.exists() and any(p.is_dir() and p.name not in ("index", "triton", "tuning") for p in root.iterdir()):
+            break
+        assert killed.poll() is None, "prewarm ended before its entry appeared"
+        time.sleep(0.01)
+    killed.kill()
+    killed.wait()
+    listed = _run("-m", "kiln.cli", "cache", "ls", env={"KILN_CACHE_ROOT": str(root)})
+    # Killed before or after its first files: either way not complete.
+    assert ("partial" in listed.stdout or "empty" in listed.stdout) and "complete" not in listed.stdout, listed.stdout
+    again = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "-> complete" in again.stdout
+    assert int(again.stdout.split("this run: ")[1].split(" Inductor")[0]) > 0  # rebuilt, not trusted
+    verify = _run("-m", "kiln.cli", "cache", "verify", env={"KILN_CACHE_ROOT": str(root)})
+    entry = next(p.name for p in root.iterdir() if p.is_dir() and p.name not in ("index", "triton", "tuning"))
+    assert verify.returncode == 0 and f"{entry}: OK" in verify.stdout, verify.stdout
 
 
 def test_prewarm_reports_what_the_entry_covers(copy_of, tmp_path):
