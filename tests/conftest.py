@@ -83,3 +83,23 @@ def compiled_tiny_llama(tiny_llama):
     compiled = compile_model(tiny_llama, config, max_num_batched_tokens=64)
     compiled.warm_up(lambda n: (torch.randint(0, 512, (n,)), torch.arange(n)))
     return compiled
+
+
+@pytest.fixture(scope="session")
+def app_client():
+    """The HTTP app on the embedded model in-process (TestClient), ready: a short context, so
+    that any request ends quickly."""
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from kiln.config import EngineConfig
+    from kiln.server.app import build_app
+
+    with TestClient(build_app(EngineConfig(device="cpu", max_model_len=48, num_kv_blocks=64),
+                              served_model_name="smollm2")) as client:
+        for _ in range(3000):
+            if client.get("/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        yield client

@@ -24,6 +24,7 @@ from kiln.compile import compile_model
 from kiln.compile.cache import CacheRoot, CompileCache, cache_disabled
 from kiln.compile.cache.key import env_factor
 from kiln.compile.cache.preload import Preload, preload_if_warm
+from kiln.compile.cache.root import NOT_ENTRIES
 from kiln.compile.config import CompilationConfig
 from kiln.tools import cache_cli
 
@@ -210,7 +211,7 @@ def test_a_prewarm_killed_mid_compile_leaves_a_partial_entry_the_next_start_rebu
     killed = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     # SIGKILL as soon as the entry's folder exists: capture and compiles take seconds after that.
     for _ in range(6000):
-        if root.exists() and any(p.is_dir() and p.name not in ("index", "triton", "tuning") for p in root.iterdir()):
+        if root.exists() and any(p.is_dir() and p.name not in NOT_ENTRIES for p in root.iterdir()):
             break
         assert killed.poll() is None, "prewarm ended before its entry appeared"
         time.sleep(0.01)
@@ -224,7 +225,7 @@ def test_a_prewarm_killed_mid_compile_leaves_a_partial_entry_the_next_start_rebu
     assert "-> complete" in again.stdout
     assert int(again.stdout.split("this run: ")[1].split(" Inductor")[0]) > 0  # rebuilt, not trusted
     verify = _run("-m", "kiln.cli", "cache", "verify", env={"KILN_CACHE_ROOT": str(root)})
-    entry = next(p.name for p in root.iterdir() if p.is_dir() and p.name not in ("index", "triton", "tuning"))
+    entry = next(p.name for p in root.iterdir() if p.is_dir() and p.name not in NOT_ENTRIES)
     assert verify.returncode == 0 and f"{entry}: OK" in verify.stdout, verify.stdout
 
 

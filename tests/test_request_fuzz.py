@@ -7,14 +7,10 @@ import json
 import math
 
 import pytest
-from fastapi.testclient import TestClient
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-from kiln.config import EngineConfig  # noqa: E402
-from kiln.server.app import build_app  # noqa: E402
 
 MODEL = "smollm2"
 
@@ -56,19 +52,6 @@ def _bodies(draw, path: str, fields: dict):
     return body
 
 
-@pytest.fixture(scope="module")
-def client():
-    config = EngineConfig(device="cpu", max_model_len=48, num_kv_blocks=64)
-    with TestClient(build_app(config, served_model_name=MODEL)) as client:
-        for _ in range(3000):
-            if client.get("/health").status_code == 200:
-                break
-            import time
-
-            time.sleep(0.05)
-        yield client
-
-
 def _check(client, path: str, body: dict) -> None:
     # Python's json writes NaN and Infinity, and the server's parser reads them: they arrive.
     response = client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
@@ -89,14 +72,14 @@ FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCh
 
 @FUZZ
 @given(body=_bodies("/v1/completions", COMPLETION))
-def test_completions_never_fail_with_500(client, body):
-    _check(client, "/v1/completions", body)
+def test_completions_never_fail_with_500(app_client, body):
+    _check(app_client, "/v1/completions", body)
 
 
 @FUZZ
 @given(body=_bodies("/v1/chat/completions", CHAT))
-def test_chat_completions_never_fail_with_500(client, body):
-    _check(client, "/v1/chat/completions", body)
+def test_chat_completions_never_fail_with_500(app_client, body):
+    _check(app_client, "/v1/chat/completions", body)
 
 
 def test_the_fuzz_reached_the_engine():
