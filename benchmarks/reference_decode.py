@@ -6,8 +6,9 @@ the style of gpt-fast: what a user gets from torch.compile without an inference 
     python benchmarks/reference_decode.py --device cpu --layers 2 --hidden 256 --batches 1 --steps 3
 
 Per batch size it reports the first call (Dynamo, Inductor, autotuning: a recompile per batch
-size, as a static cache has one shape per batch) and the steady decode step (CUDA graphs
-replayed by cudagraph trees), with greedy tokens at a ~context-token context. Random bf16
+size, as a static cache has one shape per batch), the steady decode step (CUDA graphs
+replayed by cudagraph trees, timed one step at a time: step_ms), and the step of the loop
+left to run ahead of the GPU (loop_step_ms), with greedy tokens at a ~context-token context. Random bf16
 weights of the Llama-3-8B shape by default. JSON to --out/reference_decode_<device>.json.
 """
 
@@ -96,7 +97,7 @@ class Llama(nn.Module):
 def run(shape: Shape, batch: int, context: int, steps: int, dtype, device) -> dict:
     torch.manual_seed(0)
     with torch.device(device):
-        model = Llama(shape, batch, context + steps + 8, dtype, device).to(dtype)
+        model = Llama(shape, batch, context + 2 * steps + 8, dtype, device).to(dtype)
     for p in model.parameters():
         p.data.normal_(0, 0.02)
     step = torch.compile(model, mode="reduce-overhead", fullgraph=True)
@@ -104,26 +105,37 @@ def run(shape: Shape, batch: int, context: int, steps: int, dtype, device) -> di
     with torch.inference_mode():
         model(ids, torch.arange(context, device=device))  # prefill, eager: the reference times decode
         token = ids[:, -1:]
+        pos = torch.tensor([context], device=device)  # on the device: a host int would be a blocking copy a step
         sync(device)
         start = time.perf_counter()
-        token = decode(step, token, context, device)
+        token = decode(step, token, pos)
         sync(device)
         first = time.perf_counter() - start
         times = []
-        for i in range(1, steps):
+        for _ in range(1, steps):
             start = time.perf_counter()
-            token = decode(step, token, context + i, device)
+            token = decode(step, token, pos)
             sync(device)
             times.append(time.perf_counter() - start)
+        # The loop as a user runs it: no wait between steps, so the host queues step n+1 while
+        # step n runs (the token feeds back on the device).
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = decode(step, token, pos)
+        sync(device)
+        loop = (time.perf_counter() - start) / steps
     steady = times[len(times) // 2:] or times
     return {"batch": batch, "first_call_s": first, "step_ms": statistics.median(steady) * 1e3 if steady else None,
-            "tokens": token[:2, 0].tolist()}
+            "loop_step_ms": loop * 1e3, "tokens": token[:2, 0].tolist()}
 
 
-def decode(step, token, position: int, device):
+def decode(step, token, pos):
+    """One step at position `pos` (a 1-element device tensor), which then moves on by one."""
     # cudagraph trees reuse the output buffer on the next replay: the token fed back in is a copy.
     torch.compiler.cudagraph_mark_step_begin()
-    return step(token, torch.tensor([position], device=device))[:, None].clone()
+    token = step(token, pos)[:, None].clone()
+    pos += 1
+    return token
 
 
 def sync(device):
@@ -150,7 +162,8 @@ def main() -> None:
     results = []
     for b in args.batches:
         r = run(shape, b, args.context, args.steps, dtype, args.device)
-        print(f"reference b{b}: first call {r['first_call_s']:.1f} s, step {r['step_ms']:.2f} ms", flush=True)
+        print(f"reference b{b}: first call {r['first_call_s']:.1f} s, step {r['step_ms']:.2f} ms, "
+              f"in a loop {r['loop_step_ms']:.2f} ms", flush=True)
         results.append(r)
         torch._dynamo.reset()
         if args.device == "cuda":

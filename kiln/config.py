@@ -52,6 +52,10 @@ class EngineConfig:
     # 1 s on the CPU, no time budget on a GPU (whose steps take milliseconds); inf: none.
     max_step_seconds: float | None = None
     max_model_len: int | None = None  # None: the model's context length
+    # Schedule and pack step n+1 while step n runs on the device; a sequence's stop is then seen
+    # one step late (its extra token is dropped). None: on for one CUDA process, off on the CPU
+    # (whose steps run as they are launched: there is nothing to overlap) and under tensor parallelism.
+    async_scheduling: bool | None = None
     custom_ops: list[str] = field(default_factory=list)  # e.g. ["none", "+rms_norm"]
     seed: int = 0
     # None: what is measured to pay off today (DEFAULT_FORWARD_REASON). A dict is
@@ -101,9 +105,18 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1 (the ranks run each "
+                             "step as it is sent); drop --async-scheduling or use one process")
         if tp > 1 and self.torch_device.type == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs (one process each) but torch sees "
                              f"{torch.cuda.device_count()}; lower it to at most {torch.cuda.device_count()}")
+
+    @property
+    def uses_async_scheduling(self) -> bool:
+        if self.async_scheduling is None:
+            return self.torch_device.type == "cuda" and self.tensor_parallel_size == 1
+        return self.async_scheduling
 
     @property
     def step_time_budget(self) -> float | None:
@@ -162,6 +175,9 @@ class EngineConfig:
         p.add_argument("--max-step-seconds", type=float, default=None,
                        help="cut prefill chunks to fit this many seconds a step (default: 1 on the CPU, none on a "
                             "GPU; inf: none)")
+        p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="prepare the next step while the device runs this one (default: on for one CUDA "
+                            "process, off on the CPU and with tensor parallelism)")
         p.add_argument("--block-size", type=int, default=16)
         p.add_argument("--kv-cache-gib", type=float, default=1.0)
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -179,7 +195,7 @@ class EngineConfig:
             compilation=compilation_config_from_args(args), model=args.model, device=args.device, dtype=args.dtype,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_step_seconds=args.max_step_seconds,
-            block_size=args.block_size,
+            async_scheduling=args.async_scheduling, block_size=args.block_size,
             kv_cache_gib=args.kv_cache_gib, gpu_memory_utilization=args.gpu_memory_utilization,
             custom_ops=[s for s in args.custom_ops.split(",") if s], tensor_parallel_size=args.tensor_parallel_size,
             load_format=args.load_format)

@@ -10,9 +10,9 @@ from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.outputs import RequestOutput
-from kiln.engine.runner import ModelRunner
+from kiln.engine.runner import LaunchedStep, ModelRunner
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.scheduler import Scheduler
+from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.sequence import Sequence
 from kiln.engine.timeline import StartupTimeline
 from kiln.engine.tp_runner import TensorParallelRunner
@@ -46,6 +46,8 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
+        self.async_scheduling = config.uses_async_scheduling
+        self._in_flight: LaunchedStep | None = None  # async scheduling: the step whose tokens come next
         self._ids = itertools.count()
         self.timeline.mark_ready()
 
@@ -98,23 +100,54 @@ class LLMEngine:
             self.runner.shutdown()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        """One forward over the next batch; outputs of every sequence that got a token."""
+        """Schedule and run the next batch; returns the outputs of every sequence that got a
+        token. With async scheduling those are the previous step's: this step is queued on the
+        device first, and runs while they are read back, checked for stops and detokenized."""
         batch = self.scheduler.schedule()
+        start = time.perf_counter()
         if batch is None:
-            return []
+            return self.drain()
         now = time.time()
         for seq in batch.seqs:
             seq.times.setdefault("scheduled", now)
-        start = time.perf_counter()
-        sampled = self.runner.execute(batch)
+        if self.async_scheduling:
+            try:
+                launched = self.runner.launch(batch)
+            except BaseException:
+                self._in_flight = None  # the caller aborts what ran: nothing is left to read
+                raise
+            self._advance(batch)
+            for seq in launched.seqs:
+                seq.num_pending_tokens += 1
+            previous, self._in_flight = self._in_flight, launched
+            outputs = self._collect(previous.results(), pending=True) if previous is not None else []
+        else:
+            sampled = self.runner.execute(batch)
+            self._advance(batch)
+            outputs = self._collect(sampled, pending=False)
         self.scheduler.observe(batch, time.perf_counter() - start)
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        """The outputs of the step in flight (async scheduling), launching nothing new."""
+        previous, self._in_flight = self._in_flight, None
+        return self._collect(previous.results(), pending=True) if previous is not None else []
+
+    @staticmethod
+    def _advance(batch: ScheduledBatch) -> None:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+
+    def _collect(self, sampled: list[tuple[Sequence, int]], pending: bool) -> list[RequestOutput]:
         outputs = []
         for seq, token in sampled:
+            if pending:
+                seq.num_pending_tokens -= 1
+            if seq.finished:  # stopped (or aborted) while this step ran: its token is past the end
+                continue
             self._append_token(seq, token)
             outputs.append(RequestOutput.of(seq))
             if seq.finished:

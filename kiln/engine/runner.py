@@ -18,7 +18,7 @@ from kiln.compile.cache.preload import preload_if_warm
 from kiln.compile.triton_precompile import MissingKernels, compile_all, triton_target
 from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
 from kiln.cudagraph import CudagraphChoice, CudagraphDispatcher, ForwardCudagraphs, PackedStep, StepBuffers
-from kiln.engine.sampler import sample
+from kiln.engine.sampler import sample, to_device
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
 from kiln.engine.timeline import StartupTimeline
@@ -94,6 +94,8 @@ class ModelRunner:
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.block_size = config.block_size
         self.custom_ops = config.resolved_custom_ops()
+        # The last launched step's sampled tokens on the device, and each sequence's index among them.
+        self._in_flight: tuple[torch.Tensor, dict[Sequence, int]] | None = None
         cache = compile_cache(source, self.dtype, self.custom_ops)
         if self.device.type == "cuda":  # kiln's own kernels compile into the cache root (where one is on)
             triton_kernels.use_cache_root(cache.root.path) if cache is not None else triton_kernels.listen()
@@ -217,33 +219,89 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Pack the batch into the step buffers, padded for the graph it goes to: token ids,
-        positions, attention metadata, and the rows to sample."""
+        positions, attention metadata, and the rows to sample. A token still pending (sampled by
+        the step in flight) is copied into its row on the GPU, behind that step."""
         bs = self.block_size
         step = PackedStep([], [], [], [s.block_table for s in batch.seqs], [], [0])
         sample_rows, sample_seqs = [], []
+        pending_rows, pending_from = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            step.input_ids += seq.token_ids[begin:end]
+            known = seq.num_tokens
+            step.input_ids += seq.token_ids[begin:min(end, known)]
+            if end > known:
+                pending_rows.append(len(step.input_ids))
+                pending_from.append(self._pending_index(seq, end - known))
+                step.input_ids.append(0)
             step.positions += range(begin, end)
             step.slots += [seq.block_table[p // bs] * bs + p % bs for p in range(begin, end)]
             step.query_start_loc.append(step.query_start_loc[-1] + n)
             step.seq_lens.append(end)
-            if end == seq.num_tokens:  # caught up: its last logits choose the next token
+            if end == known + seq.num_pending_tokens:  # caught up: its last logits choose the next token
                 sample_rows.append(step.query_start_loc[-1] - 1)
                 sample_seqs.append(seq)
         uniform_decode = all(n == 1 for n in batch.num_new_tokens)
         choice, (input_ids, positions, meta) = self.cudagraphs.pack(step, uniform_decode)
+        if pending_rows:
+            rows = to_device(pending_rows, torch.long, self.device)
+            input_ids.index_copy_(0, rows, self._in_flight[0].index_select(0, to_device(pending_from, torch.long,
+                                                                                         self.device)))
         return StepInputs(input_ids, positions, meta, choice, sample_rows, sample_seqs)
 
+    def _pending_index(self, seq: Sequence, count: int) -> int:
+        """Where the step in flight left `seq`'s pending token among its sampled ones."""
+        index = self._in_flight[1].get(seq) if self._in_flight is not None else None
+        if count != 1 or index is None:
+            raise RuntimeError(f"sequence {seq.seq_id} is scheduled {count} token(s) past those it has, but only "
+                               f"the token the step in flight samples for it can be read from the GPU")
+        return index
+
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
-        """Run one step; returns (sequence, next token) for each sequence that caught up."""
+    def launch(self, batch: ScheduledBatch) -> "LaunchedStep":
+        """Queue one step on the device (the forward, the logits, sampling, and the copy of the
+        tokens to the host) and return without waiting for it."""
         step = self.prepare(batch)
         with set_forward_context(step.attn_metadata, self.kv_caches):
             hidden = self.cudagraphs.run(step.cudagraph, step.input_ids, step.positions)
-        if not step.sample_seqs:
-            return []
-        logits = self.model.compute_logits(hidden[step.sample_rows])
         seqs = step.sample_seqs
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        return list(zip(seqs, tokens))
+        if not seqs:
+            self._in_flight = None
+            return LaunchedStep([], None, None)
+        if step.sample_rows == list(range(len(seqs))):  # a decode batch samples every row
+            hidden = hidden[: len(seqs)]
+        else:
+            hidden = hidden.index_select(0, to_device(step.sample_rows, torch.long, self.device))
+        tokens = sample(self.model.compute_logits(hidden), [s.params for s in seqs], [s.generator for s in seqs])
+        self._in_flight = (tokens, {s: i for i, s in enumerate(seqs)})
+        return LaunchedStep.of(seqs, tokens)
+
+    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        """Run one step; returns (sequence, next token) for each sequence that caught up."""
+        return self.launch(batch).results()
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its sampled tokens are on their way to the host."""
+
+    seqs: list[Sequence]  # those that sample, in the order of their tokens
+    host_tokens: torch.Tensor | None
+    copied: torch.cuda.Event | None  # None on the CPU, where the copy has already happened
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], tokens: torch.Tensor) -> "LaunchedStep":
+        if tokens.device.type != "cuda":
+            return cls(seqs, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(seqs, host, copied)
+
+    def results(self) -> list[tuple[Sequence, int]]:
+        """(sequence, token) pairs; waits for the step to finish on the device."""
+        if not self.seqs:
+            return []
+        if self.copied is not None:
+            self.copied.synchronize()
+        return list(zip(self.seqs, self.host_tokens.tolist()))

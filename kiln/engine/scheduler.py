@@ -86,7 +86,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens_with_pending - seq.num_computed_tokens, budget)
             if n > 1:  # a prefill chunk (a decode is one token and is never cut)
                 if prefill_budget == 0:
                     continue
@@ -110,7 +110,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and prefill_budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill_budget)
+            n = min(seq.num_tokens_with_pending - seq.num_computed_tokens, budget, prefill_budget)
             if not self.block_manager.can_allocate(seq, n):
                 break
             prefill_budget -= n

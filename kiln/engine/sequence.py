@@ -27,6 +27,9 @@ class Sequence:
         self.params = params
         self.detokenizer = detokenizer
         self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
+        # Sampled on the GPU by a step still in flight, not yet in token_ids (async scheduling:
+        # the next step reads it from the GPU).
+        self.num_pending_tokens = 0
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
@@ -41,6 +44,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

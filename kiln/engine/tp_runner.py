@@ -85,6 +85,7 @@ class _StepSequence:
         self.token_ids = _TokenWindow(step.num_computed_tokens, step.new_token_ids)
         self.block_table = step.block_table
         self._num_tokens = step.num_tokens
+        self.num_pending_tokens = 0  # tensor parallelism runs without async scheduling
         self.params, self.generator = _GREEDY, None
 
     @property

@@ -1,0 +1,217 @@
+"""kiln's decode beside a stock torch.compile loop, in one run (a benchmark, not a test).
+
+    python benchmarks/decode_vs_reference.py --out $OUT                        (on the GPU)
+    OMP_NUM_THREADS=1 python benchmarks/decode_vs_reference.py --device cpu --model tiny-llama \
+        --batches 1 4 --reference-args --layers 2 --hidden 256                 (a smoke run)
+
+Per kiln mode (`default`: the eager forward with full decode graphs; `O2`: piecewise Inductor)
+and batch size, `batch` sequences of `context` random tokens are prefilled, then decoded:
+
+    engine_step_ms       LLMEngine.step, `steps` of them back to back (scheduling, packing,
+                         forward, sampling, stop checks, outputs), no wait between them:
+                         with async scheduling (the GPU default) the host prepares a step
+                         while the GPU runs the one before
+    sync_engine_step_ms  the same with async scheduling off: each step waits for its tokens
+    forward_ms           the step's forward and logits alone, replayed on its own inputs
+                         (CUDA-event timed)
+
+Beside them the stock loop of benchmarks/reference_decode.py (same shape, context and batch,
+in a subprocess of this run): reference_step_ms is its loop left to run ahead of the GPU, as
+kiln's engine steps are; its one-step-at-a-time time is kept too. floor_ms is what the
+hardware allows (kiln.tools.bench: weights and KV bytes at the measured copy rate, FLOPs at
+the measured matmul rate). JSON to --out/decode_vs_reference_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kiln import LLM, SamplingParams
+from kiln.compile.config import CompilationConfig
+from kiln.forward_context import set_forward_context
+from kiln.loader import load_source
+from kiln.tools.bench import Floor, floor_for, measure_copy, measure_matmul
+from kiln.tools.traffic import decode_weight_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = {"default": None, "O2": lambda: CompilationConfig.level(2)}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_batch(llm: LLM, batch: int, args) -> dict:
+    engine, runner = llm.engine, llm.engine.runner
+    gen = torch.Generator().manual_seed(batch)
+    vocab = engine.source.config.vocab_size
+    params = SamplingParams(max_tokens=2 * (args.warmup + args.steps) + 16, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(torch.randint(0, vocab, (args.context,), generator=gen).tolist(), params)
+           for _ in range(batch)]
+    seqs = [engine.seqs[i] for i in ids]
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in seqs):
+        engine.step()
+    last = {}
+    prepare = runner.prepare
+
+    def recording_prepare(b):
+        last["step"] = prepare(b)
+        return last["step"]
+
+    runner.prepare = recording_prepare
+    result = {"batch": batch}
+    try:
+        # The same engine both ways: switching is safe between steps once nothing is in flight.
+        for key, overlapped in (("engine_step_ms", True), ("sync_engine_step_ms", False)):
+            engine.async_scheduling = overlapped
+            for _ in range(args.warmup):
+                engine.step()
+            sync(args.device)
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            sync(args.device)
+            result[key] = (time.perf_counter() - start) / args.steps * 1e3
+            engine.drain()
+        result["mean_context"] = statistics.mean(s.num_computed_tokens for s in seqs) - args.steps / 2
+        result["forward_ms"] = forward_ms(runner, last["step"], batch, args)
+    finally:
+        runner.prepare = prepare
+        engine.async_scheduling = llm.engine.config.uses_async_scheduling
+        for request_id in ids:
+            engine.abort_request(request_id)
+        while engine.has_unfinished():
+            engine.step()
+    return result
+
+
+def async_tokens_match(llm: LLM) -> bool:
+    """Greedy and seeded tokens with async scheduling on and off (same engine), 8 prompts."""
+    gen = torch.Generator().manual_seed(7)
+    vocab = llm.engine.source.config.vocab_size
+    prompts = [torch.randint(0, vocab, (16 + 5 * i,), generator=gen).tolist() for i in range(8)]
+    params = [SamplingParams(max_tokens=12 + i, temperature=0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(8)]
+    runs = []
+    for overlapped in (True, False):
+        llm.engine.async_scheduling = overlapped
+        runs.append([o.token_ids for o in llm.generate(prompts, params)])
+    llm.engine.async_scheduling = llm.engine.config.uses_async_scheduling
+    return runs[0] == runs[1]
+
+
+def forward_ms(runner, step, batch: int, args) -> float:
+    """The forward (its CUDA graph where one was captured) and the logits of a recorded step."""
+    def once():
+        with set_forward_context(step.attn_metadata, runner.kv_caches):
+            hidden = runner.cudagraphs.run(step.cudagraph, step.input_ids, step.positions)
+        return runner.model.compute_logits(hidden[:batch])
+
+    with torch.inference_mode():
+        for _ in range(3):
+            once()
+        sync(args.device)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            once()
+        sync(args.device)
+    return (time.perf_counter() - start) / args.steps * 1e3
+
+
+def run_mode(name: str, args) -> dict:
+    config = MODES[name]
+    blocks = max(args.batches) * -(-(args.context + 2 * (args.warmup + args.steps) + 32) // 16) + 16
+    start = time.perf_counter()
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batches),
+              max_num_batched_tokens=2048, max_model_len=args.context + 2 * (args.warmup + args.steps) + 32,
+              num_kv_blocks=blocks, compilation=config() if config else None)
+    out = {"startup_s": time.perf_counter() - start, "describe": llm.engine.runner.compiled.describe(),
+           "async_scheduling": llm.engine.async_scheduling, "async_tokens_match": async_tokens_match(llm),
+           "points": []}
+    print(f"{name}: async and synchronous tokens {'match' if out['async_tokens_match'] else 'DIFFER'}", flush=True)
+    for batch in args.batches:
+        point = measure_batch(llm, batch, args)
+        out["points"].append(point)
+        print(f"{name:8s} b{batch:<4d} engine step {point['engine_step_ms']:6.2f} ms (sync "
+              f"{point['sync_engine_step_ms']:6.2f}), forward+logits {point['forward_ms']:6.2f} ms", flush=True)
+    llm.shutdown()
+    del llm
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def reference(args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "reference_decode.py"), "--device", args.device,
+               "--context", str(args.context), "--steps", str(args.steps), "--out", tmp,
+               "--batches", *map(str, args.batches), *args.reference_args]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+        print(done.stdout.strip(), flush=True)
+        report = json.loads((Path(tmp) / f"reference_decode_{args.device}.json").read_text())
+    return {r["batch"]: r for r in report["results"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--reference-args", nargs=argparse.REMAINDER, default=[],
+                   help="passed on to reference_decode.py (e.g. a smaller shape for a CPU smoke run)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    modes = {name: run_mode(name, args) for name in args.modes}
+    ref = reference(args)
+    cfg = load_source(args.model).config
+    dtype = getattr(torch, args.dtype)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    floor = Floor(measure_copy(args.device, dtype), measure_matmul(args.device, dtype), decode_weight_bytes(cfg, elem))
+    for name, mode in modes.items():
+        for point in mode["points"]:
+            b = point["batch"]
+            point["floor_ms"] = floor_for(cfg, elem, floor, b, point["mean_context"])["step_ms"]
+            r = ref.get(b, {})
+            point["reference_step_ms"] = r.get("loop_step_ms")
+            point["reference_synced_step_ms"] = r.get("step_ms")
+            if point["reference_step_ms"]:
+                point["vs_reference"] = point["reference_step_ms"] / point["engine_step_ms"]
+            print(f"{name:8s} b{b:<4d} engine {point['engine_step_ms']:6.2f} ms, reference "
+                  f"{point['reference_step_ms'] or float('nan'):6.2f} ms, floor {point['floor_ms']:6.2f} ms"
+                  + (f", {point['vs_reference']:.2f}x the reference's speed" if "vs_reference" in point else ""))
+    report = {"model": args.model, "device": args.device, "dtype": args.dtype, "context": args.context,
+              "steps": args.steps, "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+              "floor": {"copy_bytes_per_s": floor.copy_bytes_per_s, "matmul_flops_per_s": floor.matmul_flops_per_s,
+                        "weight_bytes": floor.weight_bytes},
+              "modes": modes, "reference": ref if "error" in ref else {"per_batch": list(ref.values())},
+              "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if args.out:
+        path = Path(args.out) / f"decode_vs_reference_{args.device}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Async scheduling (the GPU default), forced on the CPU: step n+1 is scheduled and packed
+before step n's tokens are read, its pending input tokens come from the device, and stops
+are seen one step late. The outputs must be exactly those of the synchronous engine."""
+
+import pytest
+
+from kiln import LLM, SamplingParams
+from kiln.config import EngineConfig
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at",
+           "The quick brown fox", "Machine learning is", "Dear diary, today", "My favourite food is"]
+# A small cache (preemption), short budget (chunked prefill) and few slots (admission while others decode).
+SMALL = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=26, max_model_len=96,
+             max_num_batched_tokens=16, max_num_seqs=5)
+
+
+def mixed_params() -> list[SamplingParams]:
+    """Greedy and sampled rows, seeded and not, top-k/top-p, stop strings and ids, EOS allowed."""
+    return [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=20, temperature=0.8, seed=3),
+            SamplingParams(max_tokens=17, temperature=0.9, top_k=20, seed=4),
+            SamplingParams(max_tokens=30, temperature=0.7, top_p=0.8, seed=5),
+            SamplingParams(max_tokens=24, temperature=0, stop=[" the"]),
+            SamplingParams(max_tokens=3, temperature=0),
+            SamplingParams(max_tokens=24, temperature=1.0, seed=6, stop=["\n"]),
+            SamplingParams(max_tokens=40, temperature=0)]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    sync, overlapped = LLM("smollm2", async_scheduling=False, **SMALL), LLM("smollm2", async_scheduling=True, **SMALL)
+    assert not sync.engine.async_scheduling and overlapped.engine.async_scheduling
+    return sync, overlapped
+
+
+def outputs(llm: LLM, params: list[SamplingParams]) -> list[tuple]:
+    return [(o.token_ids, o.finish_reason, o.outputs[0].stop_reason, o.text) for o in llm.generate(PROMPTS, params)]
+
+
+def test_same_outputs_as_synchronous_with_preemption_stops_and_seeds(engines):
+    sync, overlapped = engines
+    params = mixed_params()
+    expected = outputs(sync, params)
+    assert outputs(overlapped, params) == expected
+    assert {reason for _, reason, _, _ in expected} == {"length", "stop"}
+    for llm in engines:
+        engine = llm.engine
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.scheduler.block_manager.num_free_blocks == SMALL["num_kv_blocks"]
+        assert not engine.has_unfinished() and not engine.seqs
+        assert all(s.num_pending_tokens == 0 for s in engine.scheduler.running + list(engine.scheduler.waiting))
+
+
+def test_tokens_come_one_step_later_and_the_last_step_is_read_without_a_new_batch(engines):
+    _, overlapped = engines
+    engine = overlapped.engine
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), "late")
+    assert engine.step() == []  # the prefill is launched; its token is still on the device
+    seq = engine.seqs["late"]
+    assert seq.num_pending_tokens == 1 and seq.num_output_tokens == 0
+    first = engine.step()  # the decode is launched from the device's token, then the prefill's is read
+    assert [len(o.token_ids) for o in first] == [1] and seq.num_pending_tokens == 1
+    last = engine.step()  # max_tokens reached; the third token (in flight) is dropped
+    assert last[0].finished and len(last[0].token_ids) == 2
+    assert engine.has_unfinished()  # that dropped token's step is still to be read
+    assert engine.step() == [] and not engine.has_unfinished()
+    assert engine.scheduler.block_manager.num_free_blocks == SMALL["num_kv_blocks"]
+
+
+def test_abort_while_a_token_is_in_flight_leaks_nothing_and_leaves_the_others_alone(engines):
+    sync, overlapped = engines
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in sync.generate(PROMPTS[:3], params)]
+    engine = overlapped.engine
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(prompt, params, f"r{i}")
+    done: dict[str, list[int]] = {}
+    aborted_seen_after = []
+    for _ in range(6):
+        for out in engine.step():
+            done[out.request_id] = out.token_ids
+    victim = engine.seqs["r1"]
+    assert victim.num_pending_tokens == 1
+    engine.abort_request("r1")
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out.token_ids
+            aborted_seen_after.append(out.request_id == "r1")
+    assert not any(aborted_seen_after)
+    assert [done["r0"], done["r2"]] == [expected[0], expected[2]]
+    assert victim.finish_reason == "abort"
+    assert engine.scheduler.block_manager.num_free_blocks == SMALL["num_kv_blocks"]
+
+
+def test_defaults_and_refusal():
+    assert not EngineConfig(device="cpu").uses_async_scheduling
+    assert EngineConfig(device="cpu", async_scheduling=True).uses_async_scheduling
+    with pytest.raises(ValueError, match="async_scheduling is not supported with tensor_parallel_size"):
+        EngineConfig(device="cpu", async_scheduling=True, tensor_parallel_size=2)
