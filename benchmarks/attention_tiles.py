@@ -3,7 +3,7 @@
     python benchmarks/attention_tiles.py --out $OUT          (on the GPU)
 
 For Llama-3-8B's attention (32 query heads, 8 kv heads, head dim 128, bf16) and decode
-batches with ~128-token contexts (and longer ones at batch 1), each (block_n, num_warps,
+batches with ~160-token contexts (and longer ones), each (block_n, num_warps, num_stages,
 kv_splits) is launched 32 times in one CUDA graph, like the 32 layers of a step, and
 compared with what paged_attention picks by itself. Bandwidth is the KV bytes read.
 """
@@ -60,9 +60,12 @@ def time_graph(fn, iters: int = 20) -> float:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--quick", action="store_true", help="only 64- and 128-key tiles, 4 warps, 2 stages or the default")
     args = p.parse_args()
+    sweep = ((64, 128), (4,), (None, 2), (1,)) if args.quick else ((32, 64, 128), (2, 4, 8), (None, 1, 2), (1, 4, 16))
     device = "cuda"
-    cases = [(1, 128), (8, 128), (64, 128), (256, 128), (1, 2048), (1, 8192), (8, 2048)]
+    # Contexts that are not tile multiples (160: 1.25 tiles of 128 keys) are what a decode meets.
+    cases = [(1, 160), (8, 160), (64, 160), (256, 160), (64, 1000), (256, 1000), (1, 4096), (8, 2048)]
     results = []
     for batch, context in cases:
         q, kv, meta = decode_batch(batch, context, device)
@@ -70,13 +73,13 @@ def main():
         reference = torch.empty_like(q)
         paged_attention(q, kv, reference, meta, DIM**-0.5)
         kv_bytes = batch * context * KV_HEADS * DIM * 2 * 2
-        default_tiles = choose_tiles(1, HEADS // KV_HEADS, DIM)
+        default_tiles = choose_tiles(1, HEADS // KV_HEADS, DIM, batch * KV_HEADS, q.device)
         default_splits = choose_kv_splits(meta, KV_HEADS, q.device)
         rows = []
-        for block_n, warps, splits in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 4, 8, 16)):
-            if splits > 1 and context // splits < block_n:
+        for block_n, warps, stages, splits in itertools.product(*sweep[:3], sorted({*sweep[3], default_splits})):
+            if splits > 1 and (context // splits < block_n or batch > 8):
                 continue
-            tiles = AttentionTiles(block_m=16, block_n=block_n, num_warps=warps)
+            tiles = AttentionTiles(block_m=default_tiles.block_m, block_n=block_n, num_warps=warps, num_stages=stages)
 
             def run(tiles=tiles, splits=splits):
                 paged_attention(q, kv, out, meta, DIM**-0.5, kv_splits=splits, tiles=tiles)
@@ -84,21 +87,25 @@ def main():
             try:
                 ms = time_graph(run)
             except Exception as e:  # a tile that does not fit (shared memory, registers)
-                rows.append({"block_n": block_n, "num_warps": warps, "kv_splits": splits, "error": str(e)[:120]})
+                rows.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "kv_splits": splits,
+                             "error": str(e)[:120]})
                 continue
             err = float((out.float() - reference.float()).abs().max())
-            rows.append({"block_n": block_n, "num_warps": warps, "kv_splits": splits, "us": ms * 1e3,
+            rows.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "kv_splits": splits, "us": ms * 1e3,
                          "tb_per_s": kv_bytes / (ms / 1e3) / 1e12, "max_err": err})
         ok = [r for r in rows if "us" in r]
         best = min(ok, key=lambda r: r["us"])
-        default = next(r for r in ok if r["block_n"] == default_tiles.block_n
-                       and r["num_warps"] == default_tiles.num_warps and r["kv_splits"] == default_splits)
+        default = next(r for r in ok if r["block_n"] == default_tiles.block_n and r["num_warps"] == default_tiles.num_warps
+                       and r["num_stages"] == default_tiles.num_stages and r["kv_splits"] == default_splits)
         results.append({"batch": batch, "context": context, "kv_bytes": kv_bytes, "default": default,
                         "best": best, "all": rows})
         print(f"b{batch:<4d} ctx {context:5d}: default (n{default['block_n']} w{default['num_warps']} "
-              f"s{default['kv_splits']}) {default['us']:.1f} us {default['tb_per_s']:.2f} TB/s; best (n{best['block_n']} "
-              f"w{best['num_warps']} s{best['kv_splits']}) {best['us']:.1f} us {best['tb_per_s']:.2f} TB/s", flush=True)
-    path = Path(args.out) / "attention_tiles_cuda.json"
+              f"st{default['num_stages']} s{default['kv_splits']}) {default['us']:.1f} us {default['tb_per_s']:.2f} TB/s; "
+              f"best (n{best['block_n']} w{best['num_warps']} st{best['num_stages']} s{best['kv_splits']}) "
+              f"{best['us']:.1f} us {best['tb_per_s']:.2f} TB/s", flush=True)
+        for r in sorted(ok, key=lambda r: r["us"])[:6]:
+            print(f"    n{r['block_n']} w{r['num_warps']} st{r['num_stages']} s{r['kv_splits']}: {r['us']:.1f} us")
+    path = Path(args.out) / ("attention_tiles_cuda_quick.json" if args.quick else "attention_tiles_cuda.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"torch": torch.__version__, "cases": results}, indent=2))
     print(f"wrote {path}")

@@ -4,7 +4,8 @@
     OMP_NUM_THREADS=1 python benchmarks/decode_vs_reference.py --device cpu --model tiny-llama \
         --batches 1 4 --reference-args --layers 2 --hidden 256                 (a smoke run)
 
-Per kiln mode (`default`: the eager forward with full decode graphs; `O2`: piecewise Inductor)
+Per kiln mode (`default`: the eager forward with full decode graphs; `O2`: piecewise Inductor;
+`O2+gemv`: the same with kiln's GEMV kept for small batches)
 and batch size, `batch` sequences of `context` random tokens are prefilled, then decoded:
 
     engine_step_ms       LLMEngine.step, `steps` of them back to back (scheduling, packing,
@@ -44,7 +45,10 @@ from kiln.tools.bench import Floor, floor_for, measure_copy, measure_matmul
 from kiln.tools.traffic import decode_weight_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = {"default": None, "O2": lambda: CompilationConfig.level(2)}
+# name -> LLM arguments; O2+gemv: -O2 keeping kiln's GEMV for the linears of 1-16 rows (-O2 alone gives
+# every linear to Inductor, which calls cuBLAS).
+MODES = {"default": dict, "O2": lambda: dict(compilation=CompilationConfig.level(2)),
+         "O2+gemv": lambda: dict(compilation=CompilationConfig.level(2), custom_ops=["none", "+skinny_linear"])}
 
 
 def sync(device: str) -> None:
@@ -130,12 +134,11 @@ def forward_ms(runner, step, batch: int, args) -> float:
 
 
 def run_mode(name: str, args) -> dict:
-    config = MODES[name]
     blocks = max(args.batches) * -(-(args.context + 2 * (args.warmup + args.steps) + 32) // 16) + 16
     start = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batches),
               max_num_batched_tokens=2048, max_model_len=args.context + 2 * (args.warmup + args.steps) + 32,
-              num_kv_blocks=blocks, compilation=config() if config else None)
+              num_kv_blocks=blocks, **MODES[name]())
     out = {"startup_s": time.perf_counter() - start, "describe": llm.engine.runner.compiled.describe(),
            "async_scheduling": llm.engine.async_scheduling, "async_tokens_match": async_tokens_match(llm),
            "points": []}
@@ -175,7 +178,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--modes", nargs="+", default=["default", "O2"], choices=list(MODES))
     p.add_argument("--reference-args", nargs=argparse.REMAINDER, default=[],
                    help="passed on to reference_decode.py (e.g. a smaller shape for a CPU smoke run)")
     p.add_argument("--out", default=None)

@@ -1,6 +1,7 @@
 """Where a decode step's time goes, eager beside compiled (a benchmark, not a test).
 
     python benchmarks/profile_step.py --model llama-3-8b --device cuda --out $OUT
+    python benchmarks/profile_step.py --modes default compiled\ -O2 --batch 64 256 --context 128 --top 20 --out $OUT
 
 For each mode: host wall time per decode step, device kernel time and kernel launches per
 step from a torch.profiler trace, the top kernels, and prefill time for one full batch.
@@ -21,7 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 from kiln import LLM, SamplingParams
 from kiln.compile.config import CompilationConfig
 
-MODES = {"eager -O0": dict(level=0), "compiled -O2": dict(level=2),
+# default: no compile flag (on a GPU the eager forward with full decode graphs, what kiln serve runs).
+MODES = {"default": dict(level=None), "eager -O0": dict(level=0), "compiled -O2": dict(level=2),
          "compiled -O2, no size asserts": dict(level=2, size_asserts=False)}
 
 
@@ -30,13 +32,14 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_mode(model, device, dtype, batch, context, level, size_asserts=True) -> dict:
+def run_mode(model, device, dtype, batch, context, level, size_asserts=True, top=8) -> dict:
     import torch._inductor.config as inductor_config
 
     inductor_config.size_asserts = size_asserts
     torch._dynamo.reset()
     llm = LLM(model, device=device, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=2048,
-              max_model_len=context + 64, num_kv_blocks=2048, compilation=CompilationConfig.level(level))
+              max_model_len=context + 64, num_kv_blocks=max(2048, batch * -(-(context + 64) // 16)),
+              compilation=None if level is None else CompilationConfig.level(level))
     engine = llm.engine
     vocab = engine.source.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -67,7 +70,7 @@ def run_mode(model, device, dtype, batch, context, level, size_asserts=True) -> 
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernel_us = sum(e.self_device_time_total for e in events) / 5
     launches = sum(e.count for e in events) / 5
-    top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:top]
     del llm, engine
     gc.collect()
     if device == "cuda":
@@ -83,22 +86,25 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, nargs="+", default=[8])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--top", type=int, default=8, help="kernels listed per mode")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     a = p.parse_args()
     dtype = "bfloat16" if a.device == "cuda" else "float32"
     result = {"model": a.model, "device": a.device, "batch": a.batch, "context": a.context,
               "torch": torch.__version__, "modes": {}}
-    for name, kw in MODES.items():
-        r = run_mode(a.model, a.device, dtype, a.batch, a.context, **kw)
-        result["modes"][name] = r
-        print(f"{name}: prefill {r['prefill_tokens']} tokens in {r['prefill_s'] * 1e3:.0f} ms; decode step "
+    for name, batch in ((n, b) for n in a.modes for b in a.batch):
+        r = run_mode(a.model, a.device, dtype, batch, a.context, top=a.top, **MODES[name])
+        result["modes"][name if len(a.batch) == 1 else f"{name}, batch {batch}"] = r
+        print(f"{name}, batch {batch}: prefill {r['prefill_tokens']} tokens in {r['prefill_s'] * 1e3:.0f} ms; decode step "
               f"{r['decode_step_ms']:.2f} ms wall, {r['device_kernel_ms_per_step']:.2f} ms of kernels, "
               f"{r['kernels_per_step']:.0f} launches", flush=True)
         for k in r["top_kernels"]:
             print(f"    {k['ms_per_step']:7.3f} ms  x{k['count_per_step']:5.0f}  {k['name']}")
-    out = Path(a.out) / f"profile_step_{a.model}_{a.device}.json"
+    suffix = "" if a.batch == [8] else "_b" + "_".join(map(str, a.batch))
+    out = Path(a.out) / f"profile_step_{a.model}_{a.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -51,7 +51,7 @@ def test_same_outputs_as_synchronous_with_preemption_stops_and_seeds(engines):
         assert all(s.num_pending_tokens == 0 for s in engine.scheduler.running + list(engine.scheduler.waiting))
 
 
-def test_tokens_come_one_step_later_and_the_last_step_is_read_without_a_new_batch(engines):
+def test_tokens_come_one_step_later_and_a_known_last_token_is_not_computed_past(engines):
     _, overlapped = engines
     engine = overlapped.engine
     engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), "late")
@@ -60,11 +60,21 @@ def test_tokens_come_one_step_later_and_the_last_step_is_read_without_a_new_batc
     assert seq.num_pending_tokens == 1 and seq.num_output_tokens == 0
     first = engine.step()  # the decode is launched from the device's token, then the prefill's is read
     assert [len(o.token_ids) for o in first] == [1] and seq.num_pending_tokens == 1
-    last = engine.step()  # max_tokens reached; the third token (in flight) is dropped
+    computed = seq.num_computed_tokens
+    last = engine.step()  # the token in flight is the second of two: nothing new is launched
     assert last[0].finished and len(last[0].token_ids) == 2
-    assert engine.has_unfinished()  # that dropped token's step is still to be read
-    assert engine.step() == [] and not engine.has_unfinished()
+    assert seq.num_computed_tokens == computed and engine._in_flight is None
+    assert not engine.has_unfinished()
     assert engine.scheduler.block_manager.num_free_blocks == SMALL["num_kv_blocks"]
+
+
+def test_a_stop_seen_late_drops_the_extra_token(engines):
+    sync, overlapped = engines
+    free = sync.generate(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0))[0]
+    params = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[free.token_ids[3]])
+    out = overlapped.generate(PROMPTS[1], params)[0]
+    assert out.token_ids == free.token_ids[:4] and out.finish_reason == "stop"
+    assert not overlapped.engine.has_unfinished()
 
 
 def test_abort_while_a_token_is_in_flight_leaks_nothing_and_leaves_the_others_alone(engines):
@@ -82,6 +92,7 @@ def test_abort_while_a_token_is_in_flight_leaks_nothing_and_leaves_the_others_al
     victim = engine.seqs["r1"]
     assert victim.num_pending_tokens == 1
     engine.abort_request("r1")
+    assert engine.has_unfinished()  # r0 and r2 run on
     while engine.has_unfinished():
         for out in engine.step():
             done[out.request_id] = out.token_ids
@@ -90,6 +101,20 @@ def test_abort_while_a_token_is_in_flight_leaks_nothing_and_leaves_the_others_al
     assert [done["r0"], done["r2"]] == [expected[0], expected[2]]
     assert victim.finish_reason == "abort"
     assert engine.scheduler.block_manager.num_free_blocks == SMALL["num_kv_blocks"]
+
+
+def test_aborting_the_only_request_leaves_nothing_unfinished(engines):
+    # The session engine test of the same name, with a step in flight at the abort.
+    _, overlapped = engines
+    engine = overlapped.engine
+    engine.add_request(PROMPTS[1], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), "only")
+    engine.step()
+    engine.step()
+    assert engine._in_flight is not None
+    engine.abort_request("only")
+    assert not engine.has_unfinished()
+    assert engine.scheduler.block_manager.num_free_blocks == SMALL["num_kv_blocks"]
+    assert engine.step() == []
 
 
 def test_defaults_and_refusal():

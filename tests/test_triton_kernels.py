@@ -31,7 +31,7 @@ from kiln.ops.attention_reference import paged_attention_reference, write_kv_ref
 from kiln.ops.norm import fused_add_rms_norm_native, rms_norm_native  # noqa: E402
 from kiln.ops.rotary import rope_cos_sin_cache, rotary_native  # noqa: E402
 from kiln.ops.triton.activation import silu_and_mul  # noqa: E402
-from kiln.ops.triton.attention import paged_attention, write_kv  # noqa: E402
+from kiln.ops.triton.attention import choose_tiles, paged_attention, write_kv  # noqa: E402
 from kiln.ops.triton import gemv  # noqa: E402
 from kiln.ops.triton.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from kiln.ops.triton.rotary import rotary_embedding  # noqa: E402
@@ -388,6 +388,25 @@ def test_paged_attention_skips_empty_padding_sequences():
     assert_attention_matches(batch, batch.kernel_output(), batch.reference_output())
 
 
+def test_paged_attention_decode_with_padding_sequences():
+    # One query token at most per sequence: the launch maps tile i to sequence i (no search).
+    batch = PagedBatch(query_lens=[1, 0, 1, 0, 1], seq_lens=[40, 0, 161, 0, 1], num_heads=8, num_kv_heads=2,
+                       head_dim=64, block_size=16)
+    assert batch.meta.max_query_len == 1
+    assert_attention_matches(batch, batch.kernel_output(), batch.reference_output())
+
+
+def test_paged_attention_decode_tiles_of_a_large_batch():
+    # What a decode batch that fills the GPU gets (64-key tiles, 2 stages), on contexts that are
+    # not tile multiples.
+    tiles = choose_tiles(1, 4, 128, programs=64 * 8, device=torch.device(DEVICE))
+    assert (tiles.block_n, tiles.num_stages) == (64, 2)
+    assert choose_tiles(1, 4, 128, programs=8, device=torch.device(DEVICE)).block_n == 128
+    batch = PagedBatch(query_lens=[1] * 5, seq_lens=[160, 1, 65, 129, 300], num_heads=8, num_kv_heads=2,
+                       head_dim=128, block_size=16, dtype=torch.float16)
+    assert_attention_matches(batch, batch.kernel_output(tiles=tiles), batch.reference_output())
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_write_kv_then_attention_on_qkv_views(block_size):
     batch = PagedBatch(**MIXED, num_heads=9, num_kv_heads=3, head_dim=64, block_size=block_size)
@@ -471,13 +490,16 @@ def _compile_all_for_sm90() -> None:
         out_head_stride=i32, block_table_stride=i32, cache_block_stride=i32, cache_slot_stride=i32,
         cache_head_stride=i32, block_size=i32,
     )
-    for dtype, group, head_dim, block_m, splits in [("bf16", 4, 128, 16, 8), ("bf16", 3, 64, 64, 1),
-                                                    ("fp32", 1, 128, 64, 1)]:
+    # Decode split and not (the tiles of small and large batches), prefill, fp32.
+    for dtype, group, head_dim, block_m, block_n, splits, one_query, stages in [
+            ("bf16", 4, 128, 16, 128, 8, True, 3), ("bf16", 4, 128, 16, 64, 1, True, 2),
+            ("bf16", 3, 64, 64, 64, 1, False, 3), ("fp32", 1, 128, 64, 64, 1, False, 3)]:
         pointer = "*" + dtype
         build(attention.paged_attention_kernel,
               dict(attention_args, query_ptr=pointer, key_cache_ptr=pointer, value_cache_ptr=pointer, out_ptr=pointer),
-              dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=64, BLOCK_DIM=head_dim,
-                   KV_SPLITS=splits, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32"))
+              dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DIM=head_dim,
+                   KV_SPLITS=splits, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", ONE_QUERY=one_query),
+              4, stages)
     build(attention.merge_splits_kernel,
           dict(out_ptr=bf16, partial_acc_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
                query_start_loc_ptr="*i32", num_seqs=i32, out_token_stride=i32, out_head_stride=i32),

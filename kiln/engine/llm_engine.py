@@ -41,7 +41,8 @@ class LLMEngine:
                 f"request could never run. Lower max_model_len or give the cache more memory "
                 f"(kv_cache_gib on CPU, gpu_memory_utilization on GPU, or num_kv_blocks)")
         self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, config.block_size),
-                                   config.max_num_seqs, config.max_num_batched_tokens, config.step_time_budget)
+                                   config.max_num_seqs, config.max_num_batched_tokens, config.step_time_budget,
+                                   self.max_model_len)
         self.eos_token_ids = set(self.source.config.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
@@ -100,7 +101,9 @@ class LLMEngine:
             self.runner.shutdown()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        # A step in flight whose sequences all finished (or were aborted) has nothing left to give.
+        in_flight = self._in_flight is not None and any(not s.finished for s in self._in_flight.seqs)
+        return self.scheduler.has_unfinished() or in_flight
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run the next batch; returns the outputs of every sequence that got a

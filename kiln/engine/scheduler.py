@@ -44,8 +44,9 @@ COSTED_STEP_TOKENS = 32
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_step_seconds: float | None = None):
+                 max_step_seconds: float | None = None, max_model_len: int | None = None):
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_step_seconds = max_step_seconds
@@ -86,6 +87,10 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if seq.num_pending_tokens and self._ends_by_length(seq):
+                # Its token in flight is its last (async scheduling): nothing more to compute, and
+                # the batch stays the one a synchronous engine would run.
+                continue
             n = min(seq.num_tokens_with_pending - seq.num_computed_tokens, budget)
             if n > 1:  # a prefill chunk (a decode is one token and is never cut)
                 if prefill_budget == 0:
@@ -122,6 +127,13 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch if batch.seqs else None
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether seq finishes by length once its pending tokens are in (the engine's own test)."""
+        total = seq.num_tokens_with_pending
+        max_tokens = seq.params.max_tokens
+        return ((max_tokens is not None and total - seq.num_prompt_tokens >= max_tokens)
+                or (self.max_model_len is not None and total >= self.max_model_len))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -15,6 +15,9 @@ The grid depends only on tensor shapes and Python ints, never on device values, 
 launch can be captured in a CUDA graph: sequence i owns the query tiles starting at
 query_start_loc[i] // BLOCK_Q + i (enough for its ceil(query_len / BLOCK_Q) tiles), and
 each program finds its sequence by binary search over those starts; spare programs exit.
+When no sequence has more than one query token (max_query_len == 1: decode), tile i is
+sequence i and there is no search (its log2(num_seqs) dependent loads cost a short decode
+context's program a large share of its life).
 
 With few sequences and long contexts (decode) a launch may split each context into
 kv_splits ranges handled by separate programs (flash-decoding); a second small kernel
@@ -92,16 +95,26 @@ class AttentionTiles:
     block_m: int  # rows of a program's tile: (query token, head in group) pairs
     block_n: int  # keys per step of the context loop
     num_warps: int
+    num_stages: int | None = None  # software-pipelining depth; None: Triton's default
 
 
-def choose_tiles(max_query_len: int, group: int, head_dim: int) -> AttentionTiles:
+def choose_tiles(max_query_len: int, group: int, head_dim: int, programs: int = 1,
+                 device: torch.device | None = None) -> AttentionTiles:
+    """`programs`: sequences x kv heads of the launch (only decode looks at it)."""
     # tl.dot needs at least 16 rows; a decode tile is one token's GROUP heads, padded to 16.
     rows_needed = triton.next_power_of_2(group)
     block_m = max(16 if max_query_len == 1 else 64, rows_needed)
-    # Decode tiles hold one token's heads, so wider key tiles are what keeps loads in flight
-    # (128 keys: 1.1-1.7x faster than 64 for decode on the H200, benchmarks/attention_tiles.py).
-    block_n = (128 if max_query_len == 1 else 64) if head_dim <= 128 else 32
-    return AttentionTiles(block_m=block_m, block_n=block_n, num_warps=4)
+    if head_dim > 128:
+        return AttentionTiles(block_m=block_m, block_n=32, num_warps=4)
+    if max_query_len != 1:
+        return AttentionTiles(block_m=block_m, block_n=64, num_warps=4)
+    # Decode (benchmarks/attention_tiles.py on the H200): a small batch, whose programs do not
+    # fill the GPU, keeps more loads in flight with 128-key tiles (1.1-1.7x faster than 64); once
+    # there are a few programs per SM, 64-key tiles pipelined 2 deep win (1.1-1.4x at batch 64
+    # and 256, contexts 160 and 1000).
+    if programs >= 2 * _multiprocessor_count(device or torch.device("cpu")):
+        return AttentionTiles(block_m=block_m, block_n=64, num_warps=4, num_stages=2)
+    return AttentionTiles(block_m=block_m, block_n=128, num_warps=4)
 
 
 _sm_count: dict[int, int] = {}
@@ -183,13 +196,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
     num_heads = query.shape[1]
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     group = num_heads // num_kv_heads
-    tiles = tiles or choose_tiles(meta.max_query_len, group, head_dim)
+    tiles = tiles or choose_tiles(meta.max_query_len, group, head_dim, num_seqs * num_kv_heads, query.device)
     splits = choose_kv_splits(meta, num_kv_heads, query.device) if kv_splits is None else kv_splits
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"paged_attention: kv_splits must be a power of two, got {splits}")
     block_q = tiles.block_m // group
     block_dim = max(triton.next_power_of_2(head_dim), 16)
-    num_tiles = query.shape[0] // block_q + num_seqs
+    one_query = meta.max_query_len == 1
+    num_tiles = num_seqs if one_query else query.shape[0] // block_q + num_seqs
     partial_acc = partial_max = partial_sum = out  # unused placeholders when not split
     if splits > 1:
         partial_max = torch.empty(query.shape[0], num_heads, splits, dtype=torch.float32, device=query.device)
@@ -204,8 +218,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_DIM=block_dim, KV_SPLITS=splits,
         # fp32 inputs would otherwise be multiplied in tf32 on the GPU
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", ONE_QUERY=one_query,
         num_warps=tiles.num_warps,
+        **({"num_stages": tiles.num_stages} if tiles.num_stages is not None else {}),
     )
     if splits > 1:
         merge_splits_kernel[(query.shape[0], num_heads)](

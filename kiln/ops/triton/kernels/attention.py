@@ -89,17 +89,21 @@ def paged_attention_kernel(
     cache_block_stride, cache_slot_stride, cache_head_stride, block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_DIM: tl.constexpr, KV_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ONE_QUERY: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
 
-    seq = _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+    if ONE_QUERY:  # no sequence has more than one query token (decode): tile i is sequence i
+        seq = tile
+    else:
+        seq = _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
     query_begin = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_begin
-    first_row = (tile - (query_begin // BLOCK_Q + seq)) * BLOCK_Q
-    if first_row >= query_len:  # a spare tile of this sequence
+    first_row = 0 if ONE_QUERY else (tile - (query_begin // BLOCK_Q + seq)) * BLOCK_Q
+    if first_row >= query_len:  # a spare tile of this sequence (or a padding sequence)
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len  # tokens before this step's first query
