@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
 
 from kiln import logs
@@ -26,6 +27,10 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     from kiln.compile.config import expand_compilation_flags
 
+    if hasattr(signal, "SIGXFSZ"):
+        # Past a file-size limit a write then fails with EFBIG, which the compile cache survives
+        # (it is given up for the process), instead of the signal killing the process.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     parser = argparse.ArgumentParser(prog="kiln", description="kiln: an LLM inference engine whose torch.compile pipeline is the product",
                                      epilog="Compilation: -O0..-O3, -cc.<key>=<value>, "
                                             "--compilation-config '<json>', --enforce-eager")

@@ -169,3 +169,44 @@ def test_a_failed_worker_leaves_at_once_and_rank0_notices(caplog):
     finally:
         workers.shutdown()
         destroy_tensor_parallel()
+
+
+def test_a_worker_killed_mid_request_fails_the_open_requests_and_stops_the_engine():
+    import asyncio
+    import os
+    import signal
+
+    from kiln.config import EngineConfig
+    from kiln.engine.async_engine import AsyncEngine, EngineNotReady, RequestAborted
+    from kiln.engine.errors import EngineDead
+
+    long = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
+    lost = r"the engine stopped: tensor-parallel rank 1 exited \(killed by SIGKILL\) during a step"
+
+    async def main():
+        failures = []
+        engine = AsyncEngine(EngineConfig(model="tiny-llama", device="cpu", dtype="float32", tensor_parallel_size=2))
+        engine.start(failures.append)
+        while not engine.ready:
+            assert engine.failure is None
+            await asyncio.sleep(0.05)
+        streams = [await engine.add_request(prompt, long) for prompt in ([1, 2, 3], [4, 5])]
+        await streams[0].__anext__()  # both run now
+        workers = engine.engine.runner.workers
+        os.kill(workers._procs[0].pid, signal.SIGKILL)
+        for stream in streams:
+            with pytest.raises(RequestAborted, match=lost):
+                async for _ in stream:
+                    pass
+        for _ in range(100):  # on_failure runs in the engine thread, after the streams got their errors
+            if failures:
+                break
+            await asyncio.sleep(0.05)
+        assert isinstance(engine.failure, EngineDead) and failures == [engine.failure]
+        assert "start it again" in str(engine.failure)
+        with pytest.raises(EngineNotReady, match="the engine failed: tensor-parallel rank 1 exited"):
+            await engine.add_request([1], long)
+        await engine.shutdown()
+        assert workers._procs == []  # the engine let go of its (dead) worker and left the group
+
+    asyncio.run(main())

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from kiln.compile import trace
 from kiln.compile.cache.key import traced_sources
 from kiln.compile.cache.model_cache import ModelCache
+from kiln.compile.cache.store import no_room, warn_no_room
 from kiln.compile.capture import token_symbols
 from kiln.compile.compile_workers import CompileWorkers
 from kiln.compile.config import CompilationConfig
@@ -140,12 +141,23 @@ class PiecewiseBackend:
         traced = traced_count(fakes, example_inputs, tokens)
         self.program = SplitProgram(graph, slots, uniques, split.regions)
         trace.split_graph(self.program)
-        store = self.cache.entry_for(traced_files(gm)) if self.cache is not None else None
+        store = self._entry(traced_files(gm)) if self.cache is not None else None
         self.start(self.program, store)
         compile_ahead(self.pieces, self.plan, self.config.strategy, self.plan.shape_for(traced), self.ahead)
         self.capture_inputs = (gm, list(example_inputs))
         self.recorder = OutputRecorder(runnable(self.program, self.pieces))
         return self.recorder
+
+    def _entry(self, traced: list[str]):
+        """The cache entry this capture fills, or None when the cache volume has no room."""
+        try:
+            return self.cache.entry_for(traced)
+        except OSError as e:
+            if no_room(e) is None:
+                raise
+            warn_no_room(e, f"entry {self.cache.entry.key if self.cache.entry else '(new)'}")
+            self.cache.entry = None
+            return None
 
     def start(self, program: SplitProgram, store=None) -> None:
         """The pieces of `program`, artifacts from `store` where it has them."""

@@ -20,6 +20,7 @@ from kiln.compile import layer_stamping, trace
 from kiln.compile.backend import PiecewiseBackend, compile_ahead, runnable
 from kiln.compile.cache import CompileCache, ModelCache
 from kiln.compile.cache.key import compiler_factor, digest, env_factor, source_name
+from kiln.compile.cache.store import no_room, warn_no_room
 from kiln.compile.capture import Capture, checked_backend
 from kiln.compile.compile_workers import CompileWorkers, auto_worker_count
 from kiln.compile.config import CompilationConfig
@@ -189,7 +190,12 @@ class CompiledModel:
             self._direct_call()
         entry = self.model_cache.entry if self.model_cache is not None else None
         if entry is not None:
-            entry.save_program(backend.program, backend.program.readable())
+            try:
+                entry.save_program(backend.program, backend.program.readable())
+            except OSError as e:
+                if no_room(e) is None:
+                    raise
+                warn_no_room(e, entry.path / "graph.pkl")
 
     def _direct_call(self) -> None:
         """Later calls go straight to the split graph, each piece through the wrapper if one is set."""

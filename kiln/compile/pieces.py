@@ -21,6 +21,7 @@ from torch import fx
 
 from kiln.compile import trace
 from kiln.compile.compile_workers import CompileWorkers, PieceJob, op_modules
+from kiln.compile.cache.store import no_room, warn_no_room
 from kiln.compile.inductor_piece import TOKENS, PieceInput, compile_piece, specialise
 from kiln.compile.monitor import CompileMonitor, logger
 from kiln.compile.passes.target import compiling
@@ -98,12 +99,27 @@ class PieceSet:
         return tables
 
     def _inductor(self, shapes: list[TokenShape]) -> list[list[Callable]]:
-        if self.store is None:
-            return [self._compile_all(shape, [None] * len(self.uniques)) for shape in shapes]
+        tables: dict[TokenShape, list[Callable | None]] = {}  # filled in place, kept if the cache fails
+        if self.store is not None:
+            try:
+                return self._inductor_cached(shapes, tables)
+            except Exception as e:
+                full = no_room(e)
+                if full is None:
+                    raise
+                # From here on this process compiles in Inductor's own directory and keeps
+                # nothing; the pieces already built stay (a cut-short one is None, and compiles).
+                warn_no_room(full, self.store.path)
+                self.store, self.workers = None, None
+        return [self._compile_all(shape, tables.get(shape) or [None] * len(self.uniques)) for shape in shapes]
+
+    def _inductor_cached(self, shapes: list[TokenShape], by_shape: dict) -> list[list[Callable]]:
         # Held from the look-up to the write: a second process filling the same entry waits
         # here, then finds the artifacts the first one wrote.
         with self.store.lock():
-            tables = [self._load_all(shape) for shape in shapes]
+            for shape in shapes:
+                by_shape[shape] = self._load_all(shape)
+            tables = [by_shape[shape] for shape in shapes]
             todo = [(shape, i) for shape, table in zip(shapes, tables) for i, a in enumerate(table) if a is None]
             if todo and self.store.warm:
                 logger.warning("compile cache miss: %s of %s is not in cache entry %s; compiling %d "
@@ -111,7 +127,7 @@ class PieceSet:
                                ", ".join(str(s) for s, t in zip(shapes, tables) if not all(t)),
                                self.store.model_name, self.store.key, len(todo))
             if len(todo) > 1 and self.workers is not None and "post_grad_custom_post_pass" not in self.inductor_config:
-                self._compile_in_workers(todo, dict(zip(shapes, tables)))
+                self._compile_in_workers(todo, by_shape)
             for shape, table in zip(shapes, tables):
                 if not all(table):
                     self._compile_all(shape, table)

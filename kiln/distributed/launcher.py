@@ -15,9 +15,11 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,6 +126,17 @@ class Workers:
             if isinstance(reply, WorkerFailure):
                 raise RuntimeError(f"tensor-parallel rank {reply.rank} failed:\n{reply.traceback}")
 
+    def exited(self, timeout_s: float) -> list[tuple[int, str]]:
+        """(rank, how it exited) of every worker that has exited, waiting up to `timeout_s` for the
+        first (a killed process is reaped a moment after its sockets close)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            gone = [(rank, _exit_status(p.exitcode)) for rank, p in enumerate(self._procs, start=1)
+                    if p.exitcode is not None]
+            if gone or time.monotonic() >= deadline:
+                return gone
+            time.sleep(0.05)
+
     def shutdown(self) -> None:
         """Ask every worker to stop, wait for it, terminate the ones that do not."""
         atexit.unregister(self.shutdown)
@@ -147,6 +160,15 @@ class Workers:
             conn.close()
         self._conns, self._procs = [], []
         shutil.rmtree(self._store_dir, ignore_errors=True)
+
+
+def _exit_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def join_as_rank0(workers: Workers) -> TensorParallelState:

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kiln.config import EngineConfig
+from kiln.engine.errors import EngineDead
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.outputs import RequestOutput
 from kiln.engine.sampling_params import SamplingParams
@@ -175,6 +176,9 @@ class AsyncEngine:
             return
         try:
             self._serve()
+        except EngineDead as e:
+            self._fail(e, on_failure, "the engine stopped")
+            self.engine.shutdown()  # the ranks left, which cannot run without the lost one
         except Exception as e:  # a bug in this loop: better a dead server than hung requests
             self._fail(e, on_failure, "the engine loop failed")
 
@@ -236,6 +240,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineDead:
+            raise  # no later step can run: the engine ends (_run)
         except Exception as e:
             # The failed batch's state is unknown: end every request rather than guess.
             logger.exception("engine step failed; aborting %d request(s)", len(self._requests))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from kiln.config import EngineConfig
 from kiln.distributed import TensorParallelState, building_for
 from kiln.distributed.launcher import Workers, join_as_rank0
+from kiln.engine.errors import EngineDead
 from kiln.engine.runner import ModelRunner
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import ScheduledBatch
@@ -100,6 +101,7 @@ class TensorParallelRunner(ModelRunner):
         size = config.tensor_parallel_size
         model_class(source.config.architecture).check_tensor_parallel(source.config, size)
         self.workers = Workers(size, config.torch_device.type, _serve_steps, (config,))
+        self.lost: EngineDead | None = None  # set once a worker is gone: every later step fails with it
         try:
             with timeline.phase("tensor_parallel_group"):
                 self.tp = join_as_rank0(self.workers)
@@ -119,12 +121,31 @@ class TensorParallelRunner(ModelRunner):
                     config.torch_device.type, self.workers.backend)
 
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
-        self.workers.send(StepRequest.of(batch))
+        if self.lost is not None:
+            raise self.lost
         try:
+            self.workers.send(StepRequest.of(batch))
             return super().execute(batch)
-        except Exception:
-            self.workers.raise_failure(timeout_s=5)
+        except Exception as error:
+            self._check_workers(error)
             raise
+
+    def _check_workers(self, error: Exception) -> None:
+        """After a failed step: a worker that failed or exited ends the engine (the group is
+        broken), with the worker's own news rather than rank 0's collective error."""
+        reason = None
+        try:
+            self.workers.raise_failure(timeout_s=2)
+        except RuntimeError as failure:
+            reason = str(failure)
+        gone = self.workers.exited(timeout_s=2)
+        if reason is None and gone:
+            rank, status = gone[0]
+            reason = f"tensor-parallel rank {rank} exited ({status}) during a step"
+        if reason is not None:
+            self.lost = EngineDead(f"{reason}; the engine cannot run without it: start it again "
+                                   f"(rank 0's own error: {str(error).splitlines()[0] if str(error) else type(error).__name__})")
+            raise self.lost from error
 
     def shutdown(self) -> None:
         """Stop the workers and leave the process group (an engine can be made again after)."""

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kiln.compile.cache.key import FACTORS
-from kiln.compile.cache.store import EntryLock, make_private, private_dir, sha256_file, write_atomic
+from kiln.compile.cache.store import EntryLock, make_private, no_room, private_dir, sha256_file, write_atomic
 from kiln.compile.monitor import logger
 from kiln.compile.shapes import TokenShape
 
@@ -243,6 +243,9 @@ class CacheEntry:
         try:
             artifact.save(path=str(tmp), format="binary")
         except Exception as e:  # e.g. a graph AOTAutograd will not cache: run it, but keep nothing
+            tmp.unlink(missing_ok=True)
+            if no_room(e) is not None:
+                raise  # the volume is full: the caller stops using the cache
             logger.warning("compile cache: cannot keep %s (%s: %s); it will compile again on the next start",
                            target, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             tmp.unlink(missing_ok=True)

@@ -10,6 +10,7 @@ KILN_DISABLE_COMPILE_CACHE=1 turns the cache off.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -25,6 +26,33 @@ def cache_root() -> Path:
 
 def cache_disabled() -> bool:
     return os.environ.get("KILN_DISABLE_COMPILE_CACHE", "").strip().lower() not in ("", "0", "false", "no")
+
+
+# What a write meets on a volume that has no room (or no right) for it: the cache is given up
+# for this process, not the start.
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+_warned_no_room = False
+
+
+def no_room(error: BaseException) -> OSError | None:
+    """The out-of-space OSError behind `error` (a compiler may wrap it), or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _NO_ROOM:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def warn_no_room(error: OSError, what: str) -> None:
+    """One warning a process: the cache cannot be written, the start goes on without it."""
+    global _warned_no_room
+    if not _warned_no_room:
+        _warned_no_room = True
+        logger.warning("compile cache: cannot write %s (%s); this process keeps nothing in the cache and "
+                       "compiles as if it were off. Free space under %s (or point KILN_CACHE_ROOT elsewhere)",
+                       what, os.strerror(error.errno), cache_root())
 
 
 def sha256_file(path: Path) -> str | None:
@@ -62,11 +90,15 @@ def write_atomic(path: Path, data: bytes) -> None:
     private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # e.g. the volume is full: leave no partial file behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def check_root(path: Path) -> None:
