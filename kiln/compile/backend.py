@@ -155,7 +155,7 @@ class PiecewiseBackend:
         except OSError as e:
             if no_room(e) is None:
                 raise
-            warn_no_room(e, f"entry {self.cache.entry.key if self.cache.entry else '(new)'}")
+            warn_no_room(e, f"a new entry under {self.cache.root.path}")
             self.cache.entry = None
             return None
 

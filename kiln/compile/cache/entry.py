@@ -248,7 +248,6 @@ class CacheEntry:
                 raise  # the volume is full: the caller stops using the cache
             logger.warning("compile cache: cannot keep %s (%s: %s); it will compile again on the next start",
                            target, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            tmp.unlink(missing_ok=True)
             return
         os.replace(tmp, target)
         self._record(rel, sha256_file(target))
