@@ -171,5 +171,5 @@ class LLMEngine:
         elif seq.detokenizer is not None and seq.detokenizer.add(token):
             seq.stop_reason = seq.detokenizer.stopped_by
             self.scheduler.finish(seq, "stop")
-        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+        elif seq.ends_by_length(seq.num_tokens, self.max_model_len):
             self.scheduler.finish(seq, "length")

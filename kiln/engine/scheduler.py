@@ -87,7 +87,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if seq.num_pending_tokens and self._ends_by_length(seq):
+            if seq.num_pending_tokens and seq.ends_by_length(seq.num_tokens_with_pending, self.max_model_len):
                 # Its token in flight is its last (async scheduling): nothing more to compute, and
                 # the batch stays the one a synchronous engine would run.
                 continue
@@ -127,13 +127,6 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch if batch.seqs else None
-
-    def _ends_by_length(self, seq: Sequence) -> bool:
-        """Whether seq finishes by length once its pending tokens are in (the engine's own test)."""
-        total = seq.num_tokens_with_pending
-        max_tokens = seq.params.max_tokens
-        return ((max_tokens is not None and total - seq.num_prompt_tokens >= max_tokens)
-                or (self.max_model_len is not None and total >= self.max_model_len))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -49,6 +49,12 @@ class Sequence:
     def num_tokens_with_pending(self) -> int:
         return len(self.token_ids) + self.num_pending_tokens
 
+    def ends_by_length(self, num_tokens: int, max_model_len: int | None) -> bool:
+        """Whether holding `num_tokens` tokens finishes it by length (max_tokens or the context)."""
+        max_tokens = self.params.max_tokens
+        return ((max_tokens is not None and num_tokens - self.num_prompt_tokens >= max_tokens)
+                or (max_model_len is not None and num_tokens >= max_model_len))
+
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
