@@ -32,6 +32,8 @@ for part in $parts; do
         gemv) run python benchmarks/gemv.py --out "$OUT" ;;
         graphs) run python benchmarks/cudagraphs.py --out "$OUT" --profile --recapture default ;;
         tiles) run python benchmarks/attention_tiles.py --out "$OUT" ;;
+        # Decode attention at batches 64 and 256 (tiles, warps, stages, splits, early values).
+        tiles-large) run python benchmarks/attention_tiles.py --large-batches --out "$OUT" ;;
         engine) run python benchmarks/engine_throughput.py --device cuda --model llama-3-8b --out "$OUT" ;;
         # Dynamo alone (a CPU trace) under this machine's torch: can it stamp layers?
         dynamo) run python benchmarks/dynamo_trace.py --runs 3 --out "$OUT" ;;
@@ -50,7 +52,7 @@ for part in $parts; do
         bench) run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT" ;;
         # Needs 2 GPUs (nvidia-h200-x2): TP=1 against TP=2, with and without sequence parallelism.
         tp) run python benchmarks/tp_decode.py --out "$OUT" --modes graphs O2 O2+SP --batches 1 64 --timeout 150 ;;
-        *) echo "unknown part $part; parts: kernels gemv graphs tiles engine dynamo cache cache-nopyc fresh decode reference bench tp" >&2; exit 2 ;;
+        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large engine dynamo cache cache-nopyc fresh decode reference bench tp" >&2; exit 2 ;;
     esac
 done
 exit $status

@@ -405,6 +405,10 @@ def test_paged_attention_decode_tiles_of_a_large_batch():
     batch = PagedBatch(query_lens=[1] * 5, seq_lens=[160, 1, 65, 129, 300], num_heads=8, num_kv_heads=2,
                        head_dim=128, block_size=16, dtype=torch.float16)
     assert_attention_matches(batch, batch.kernel_output(tiles=tiles), batch.reference_output())
+    # The largest batches' 32-key tiles of 2 warps.
+    largest = choose_tiles(1, 4, 128, programs=256 * 8, device=torch.device(DEVICE))
+    assert (largest.block_n, largest.num_warps) == (32, 2)
+    assert_attention_matches(batch, batch.kernel_output(tiles=largest), batch.reference_output())
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
