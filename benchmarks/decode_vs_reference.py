@@ -45,7 +45,7 @@ from kiln.tools.bench import Floor, floor_for, measure_copy, measure_matmul
 from kiln.tools.traffic import decode_weight_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
-# name -> LLM arguments; O2+gemv: -O2 keeping kiln's GEMV for the linears of 1-16 rows (-O2 alone gives
+# name -> LLM arguments; O2+gemv: -O2 keeping kiln's GEMV for the linears of 1-64 rows (-O2 alone gives
 # every linear to Inductor, which calls cuBLAS).
 MODES = {"default": dict, "O2": lambda: dict(compilation=CompilationConfig.level(2)),
          "O2+gemv": lambda: dict(compilation=CompilationConfig.level(2), custom_ops=["none", "+skinny_linear"])}

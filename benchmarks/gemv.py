@@ -3,7 +3,8 @@
     python benchmarks/gemv.py --out DIR                 (the H200: one device call, ~2-3 min)
     python benchmarks/gemv.py --out DIR --device cpu    (smoke test: tiny shapes, interpreter)
 
-For each weight shape (N, K) and each row count M in 1, 2, 4, 8, 16:
+For each weight shape (N, K) and each row count M in 1, 2, 4, 8, 16, 32, 64 (a shape kiln's
+table has no config for is autotuned first, as kiln prewarm does):
 - correctness in bf16 (fp16 in the CPU smoke test): cuBLAS (F.linear) and the kernel against an fp32 matmul of the same
   bf16 inputs; the kernel passes when its error, ||y - ref|| / ||ref||, is at most
   REL_ERR_TOL (bf16 output rounding alone is ~2e-3);
@@ -16,7 +17,7 @@ For each weight shape (N, K) and each row count M in 1, 2, 4, 8, 16:
   too, to check the FMA_MAX_ROWS threshold.
 
 Then the decode step of Llama-3-8B (32 layers x qkv, o, gate_up, down, plus lm_head) at
-M = 1 and 8, summed from the per-shape times, against the floor: its 15.0 GB of weights
+M = 1, 8 and 64, summed from the per-shape times, against the floor: its 15.0 GB of weights
 over the copy bandwidth measured here (a large device-to-device copy, read + write bytes).
 
 Prints a table and writes DIR/gemv_cuda.json (gemv_cpu.json for the smoke test). A failure
@@ -36,7 +37,7 @@ from pathlib import Path
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
 CPU_SHAPES = {"qkv": (96, 64), "o_proj": (64, 64), "gate_up": (200, 64), "down": (64, 224), "lm_head": (500, 64)}
-ROWS = [1, 2, 4, 8, 16]
+ROWS = [1, 2, 4, 8, 16, 32, 64]
 NUM_LAYERS = 32
 CALLS = 20  # matmuls per captured graph
 REPLAYS = 10
@@ -58,7 +59,7 @@ if args.device == "cpu":
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kiln.ops.triton import gemv  # noqa: E402
+from kiln.ops.triton import gemv, gemv_configs  # noqa: E402
 
 DEVICE = torch.device(args.device)
 # The interpreter's tl.dot multiplies bf16 as raw integers (tests/test_triton_kernels.py), so
@@ -172,8 +173,11 @@ def bench_case(name, n, k, m, weights, results):
             row[f"{impl}_us"] = seconds * 1e6
             row[f"{impl}_gbps"] = nbytes / seconds / 1e9
             if impl != "cublas":
-                kernel = impl.split("_")[1] if "_" in impl else None
-                row[f"{impl}_config"] = config_str(gemv.chosen_config(m, n, k, dtype, kernel))
+                kernel = impl.split("_")[1] if "_" in impl else gemv.choose_kernel(m)
+                block_m = gemv.padded_rows(m, kernel)
+                row[f"{impl}_config"] = config_str(
+                    gemv.launch_config(DEVICE, n, k, block_m, dtype, kernel == "fma")
+                    or gemv.chosen_config(m, n, k, dtype, kernel))
         except Exception as e:  # noqa: BLE001  record and go on
             row[f"{impl}_error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc(limit=3)
@@ -206,8 +210,9 @@ def main():
         copies = max(1, min(8, -(-L2_FLUSH_BYTES // w_bytes))) if DEVICE.type == "cuda" else 1
         g = torch.Generator(device=DEVICE).manual_seed(n + k)
         weights = [(torch.randn(n, k, generator=g, device=DEVICE) * 0.02).to(DTYPE) for _ in range(copies)]
-        for m in ROWS:
-            bench_case(name, n, k, m, weights, results)
+        with gemv_configs.tuning():
+            for m in ROWS:
+                bench_case(name, n, k, m, weights, results)
         del weights
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
@@ -216,7 +221,7 @@ def main():
     counts = {"qkv": NUM_LAYERS, "o_proj": NUM_LAYERS, "gate_up": NUM_LAYERS, "down": NUM_LAYERS, "lm_head": 1}
     step_bytes = sum(counts[name] * n * k * 2 for name, (n, k) in shapes.items())
     steps = []
-    for m in (1, 8):
+    for m in (1, 8, 64):
         rows = {r["shape"]: r for r in results if r["M"] == m}
         step = {"M": m, "weight_bytes": step_bytes, "floor_us": step_bytes / bandwidth * 1e6}
         for impl in ("cublas", "triton"):
@@ -227,6 +232,11 @@ def main():
         print(f"decode step M={m}: {step_bytes / 1e9:.2f} GB, floor {step['floor_us']:.0f} us | "
               + " | ".join(f"{impl} {step[f'{impl}_us']:.0f} us ({step[f'{impl}_over_floor']:.3f}x floor)"
                            for impl in ("cublas", "triton") if f"{impl}_us" in step), flush=True)
+    # What the autotuner picked for shapes kiln's table lacks, in the table's form.
+    info["tuned"] = {f"{n},{k},{block_m}": [c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"],
+                                            c.num_warps, c.num_stages]
+                     for (n, k, block_m, dtype), c in gemv.tuned_choices().items() if dtype == DTYPE}
+    print("tuned:", json.dumps(info["tuned"]), flush=True)
     info["elapsed_s"] = time.perf_counter() - start
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -168,14 +168,14 @@ def _gemv_case(rows, dtype, n=GEMV_N, k=GEMV_K, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 17, 40, 64])
 def test_skinny_matmul_takes_a_known_config_and_times_nothing(rows, dtype, poisoned_empty):
     x, w, expected = _gemv_case(rows, dtype, n=GEMV_N + rows)  # a shape no other test launched
     assert_close(gemv.skinny_matmul(x, w), expected, dtype, GEMV_TOL)
     assert gemv.chosen_config(rows, GEMV_N + rows, GEMV_K, dtype) is None  # the autotuner never ran
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 33])
 def test_skinny_matmul_is_autotuned_only_while_tuning(rows, poisoned_empty):
     from kiln.ops.triton import gemv_configs
 
@@ -184,22 +184,25 @@ def test_skinny_matmul_is_autotuned_only_while_tuning(rows, poisoned_empty):
         assert_close(gemv.skinny_matmul(x, w), expected, torch.float16, GEMV_TOL)
     chosen = gemv.chosen_config(rows, GEMV_N + 40 + rows, GEMV_K, torch.float16)
     assert chosen is not None
-    block_m = 1 if rows == 1 else gemv.DOT_ROWS
+    block_m = {1: 1, 5: 16, 33: 64}[rows]
     assert gemv.tuned_choices()[(GEMV_N + 40 + rows, GEMV_K, block_m, torch.float16)] is chosen
 
 
 def test_default_gemv_configs_fit_their_shapes():
     # The fixed configs a start takes for a shape no tuning has seen must be ones the pruning
     # keeps: an FMA accumulator that fits, split-K only where the columns leave SMs idle.
+    # A dot config's staged tiles must fit in shared memory, fp32 at 64 rows included.
     for n, k in [(6144, 4096), (4096, 4096), (4096, 14336), (128256, 4096), (70, 300)]:
-        for block_m, fma in [(1, True), (gemv.DOT_ROWS, False)]:
-            config = gemv.default_config(n, k, block_m, 132, fma)
-            assert gemv.config_fits(config, block_m, n, k, 132, fma), (n, k, block_m, config)
-    assert gemv.default_config(4096, 4096, gemv.DOT_ROWS, 132, False).kwargs["SPLIT_K"] == 2
-    assert gemv.default_config(28672, 4096, gemv.DOT_ROWS, 132, False).kwargs["SPLIT_K"] == 1
+        for block_m, fma, element_size in [(1, True, 2), (16, False, 2), (32, False, 2), (64, False, 2),
+                                           (64, False, 4)]:
+            config = gemv.default_config(n, k, block_m, 132, fma, element_size)
+            assert gemv.config_fits(config, block_m, n, k, 132, fma, element_size), (n, k, block_m, config)
+    assert gemv.default_config(4096, 4096, 16, 132, False).kwargs["SPLIT_K"] == 2
+    assert gemv.default_config(28672, 4096, 16, 132, False).kwargs["SPLIT_K"] == 1
+    assert not gemv.config_fits(gemv._config(256, 64, 1, 8, 4), 64, 28672, 4096, 132, False, 4)
 
 
-@pytest.mark.parametrize("kernel,rows", [("fma", 1), ("fma", 3), ("dot", 2), ("dot", 11)])
+@pytest.mark.parametrize("kernel,rows", [("fma", 1), ("fma", 3), ("dot", 2), ("dot", 11), ("dot", 37)])
 def test_skinny_matmul_every_config(kernel, rows, poisoned_empty):
     """Each config by hand (the autotuner runs only the winner afterwards), split-K ones
     included; the split counters must be left at zero for the next launch."""
@@ -231,25 +234,53 @@ def test_skinny_matmul_views_and_out(poisoned_empty):
     assert_close(out, x @ w.T, torch.float32, GEMV_TOL)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 64, 65])
 def test_skinny_linear_op_cuda_path(rows, monkeypatch):
     """kiln::skinny_linear's CUDA implementation (called here on CPU tensors, the kernel
-    interpreted): the GEMV up to 16 rows, F.linear past them, the same result either way."""
+    interpreted): the GEMV up to 16 rows; from 17 to 64 only where tuning kept a config (32
+    padded rows here say CUBLAS, 64 a config), cuBLAS where nothing is known; F.linear past 64;
+    the same result every way."""
     from kiln.ops.linear import skinny_linear_cuda
+    from kiln.ops.triton import gemv_configs
 
+    kept = {gemv_configs._file_key("cpu", torch.float32): {f"{GEMV_N},{GEMV_K},32": gemv_configs.CUBLAS,
+                                                           f"{GEMV_N},{GEMV_K},64": [64, 64, 1, 4, 2]}}
     launched = []
     real = gemv.skinny_matmul
     monkeypatch.setattr(gemv, "skinny_matmul", lambda *a, **k: launched.append(1) or real(*a, **k))
     x, w, expected = _gemv_case(rows, torch.float32)
-    assert_close(skinny_linear_cuda(x.view(1, rows, GEMV_K), w), expected.view(1, rows, GEMV_N),
-                 torch.float32, GEMV_TOL)
-    assert bool(launched) == (rows <= 16)
+    for kept_file, takes_kernel in (({}, rows <= 16), (kept, rows <= 16 or 32 < rows <= 64)):
+        monkeypatch.setattr(gemv_configs, "_kept", kept_file)
+        monkeypatch.setattr(gemv, "_kernel_wins", {})
+        launched.clear()
+        assert_close(skinny_linear_cuda(x.view(1, rows, GEMV_K), w), expected.view(1, rows, GEMV_N),
+                     torch.float32, GEMV_TOL)
+        assert bool(launched) == takes_kernel, kept_file
+
+
+def test_gemv_tuning_past_16_rows_keeps_cublas_where_it_wins(monkeypatch, tmp_path):
+    # Under tuning, a shape of 33 rows nothing knows is autotuned and then timed against
+    # cuBLAS; on the CPU the interpreted kernel loses, so CUBLAS is what prewarm keeps.
+    from kiln.ops.triton import gemv_configs
+
+    monkeypatch.setattr(gemv, "_kernel_wins", {})
+    monkeypatch.setattr(gemv_configs, "_tuned_path", lambda: tmp_path / "gemv.json")
+    monkeypatch.setattr(gemv_configs, "_kept", None)
+    x, w, expected = _gemv_case(33, torch.float16, n=GEMV_N + 7)
+    with gemv_configs.tuning():
+        assert_close(gemv.linear(x, w), expected, torch.float16, GEMV_TOL)
+    choices = gemv.tuned_choices()
+    assert choices[(GEMV_N + 7, GEMV_K, 64, torch.float16)] == gemv_configs.CUBLAS
+    assert_close(gemv.linear(x, w), expected, torch.float16, GEMV_TOL)  # now F.linear, no tuning
+    gemv_configs.keep(x.device, choices)
+    monkeypatch.setattr(gemv_configs, "_kept", None)  # the next process reads the file
+    assert gemv_configs.known(x.device, GEMV_N + 7, GEMV_K, 64, torch.float16) == gemv_configs.CUBLAS
 
 
 def test_skinny_matmul_rejects_unsupported_inputs():
     x, w = randn(3, 64), randn(8, 64)
     with pytest.raises(ValueError, match="at most"):
-        gemv.skinny_matmul(randn(17, 64), w)
+        gemv.skinny_matmul(randn(65, 64), w)
     with pytest.raises(ValueError, match="contiguous"):
         gemv.skinny_matmul(x, randn(64, 8).T)
     with pytest.raises(ValueError, match="match"):
@@ -516,12 +547,14 @@ def _compile_all_for_sm90() -> None:
             if gemv.config_fits(config, rows, 4096, 4096, 132, fma=True):
                 build(gemv_kernels.gemv_fma_kernel, gemv_args, dict(BLOCK_M=rows, EVEN_K=True, **config.kwargs),
                       config.num_warps, config.num_stages)
-    for config in gemv.DOT_CONFIGS:
-        build(gemv_kernels.gemv_dot_kernel, gemv_args, dict(BLOCK_M=gemv.DOT_ROWS, EVEN_K=True, DOT_PRECISION="tf32",
-                                                     **config.kwargs), config.num_warps, config.num_stages)
+    for rows in (16, 32, 64):
+        for config in gemv.DOT_CONFIGS:
+            if gemv.config_fits(config, rows, 4096, 4096, 132, fma=False):
+                build(gemv_kernels.gemv_dot_kernel, gemv_args, dict(BLOCK_M=rows, EVEN_K=True, DOT_PRECISION="tf32",
+                                                             **config.kwargs), config.num_warps, config.num_stages)
     fp32_args = dict(gemv_args, x_ptr="*fp32", w_ptr="*fp32", out_ptr="*fp32")
     build(gemv_kernels.gemv_fma_kernel, fp32_args, dict(BLOCK_M=2, EVEN_K=False, **gemv.FMA_CONFIGS[0].kwargs))
-    build(gemv_kernels.gemv_dot_kernel, fp32_args, dict(BLOCK_M=gemv.DOT_ROWS, EVEN_K=False, DOT_PRECISION="ieee",
+    build(gemv_kernels.gemv_dot_kernel, fp32_args, dict(BLOCK_M=16, EVEN_K=False, DOT_PRECISION="ieee",
                                                  **gemv.DOT_CONFIGS[4].kwargs))
 
 

@@ -1,7 +1,8 @@
 """The matmul of the linear layers: y = x W^T, with a Triton GEMV for decode-sized batches.
 
 On CUDA the op takes the Triton skinny matmul (kiln/ops/triton/gemv.py) when x has at most
-MAX_ROWS rows and cuBLAS (F.linear) otherwise. The row check is inside the op, which Dynamo
+MAX_ROWS rows and the kernel is known to beat cuBLAS for the shape (always up to 16 rows), and
+cuBLAS (F.linear) otherwise. The row check is inside the op, which Dynamo
 sees as one opaque call, so a traced forward holds no branch on the batch size; inside a
 CUDA graph the branch was taken once, at capture, for that graph's size.
 """
@@ -15,9 +16,9 @@ import torch.nn.functional as F
 
 from kiln.ops.custom_op import CustomOp, is_enabled
 
-MAX_ROWS = 16  # kiln.ops.triton.gemv.MAX_ROWS; not imported here, so CPU never imports triton
-# Row counts that cover every autotuning key of the GEMV (one row; 2 to 16 pad to 16).
-GEMV_ROW_BUCKETS = (1, 16)
+MAX_ROWS = 64  # kiln.ops.triton.gemv.MAX_ROWS; not imported here, so CPU never imports triton
+# Row counts that cover every autotuning key of the GEMV (one row; 2 to 16 pad to 16, then 32, 64).
+GEMV_ROW_BUCKETS = (1, 16, 32, 64)
 _GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -41,9 +42,9 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def skinny_linear_cuda(x, weight):
     if not takes_gemv(x, weight):
         return F.linear(x, weight)
-    from kiln.ops.triton.gemv import skinny_matmul
+    from kiln.ops.triton import gemv
 
-    return skinny_matmul(x, weight)
+    return gemv.linear(x, weight)
 
 
 class SkinnyLinear(CustomOp):

@@ -1,9 +1,9 @@
-"""Skinny matmul y = x @ W.T for a few rows of x (decode: M <= 16), as Triton kernels.
+"""Skinny matmul y = x @ W.T for a few rows of x (decode: M <= 64), as Triton kernels.
 
-At batch 1..16 a linear layer is a matrix-vector product: it reads every weight once and
-does almost no arithmetic per byte, so its speed is the weight bytes over HBM bandwidth.
-cuBLAS splits K for these shapes and launches a separate `splitKreduce` kernel per matmul;
-these kernels stream W once and keep the reduction inside the launch.
+At batch 1..64 a linear layer reads every weight once and does little arithmetic per byte,
+so its speed is the weight bytes over HBM bandwidth. cuBLAS splits K for these shapes and
+launches a separate `splitKreduce` kernel per matmul, and at 64 rows its tiles stream W at
+~85% of the copy rate; these kernels stream W once and keep the reduction inside the launch.
 
 W is [N, K] with K contiguous (nn.Linear's layout). A program owns BLOCK_N output features
 for all M rows and walks K in BLOCK_K chunks, loading W rows along K (wide, coalesced) and
@@ -15,7 +15,7 @@ accumulating in fp32. There are two kernels, chosen by M:
 - `gemv_dot_kernel` (more rows): at 16 rows CUDA cores cannot keep up with HBM on an
   H200 (~9 bf16 weights per SM per cycle need ~144 FMAs, the SM has 128), so this one uses
   tensor cores, computing y.T = W @ x.T: W's tile is the dot's M side (>= 64 rows, what
-  sm90 wants) and the padded x rows (16) its N side.
+  sm90 wants) and the x rows, padded to 16, 32 or 64, its N side.
 
 Split-K (SPLIT_K > 1, for N too small to fill the GPU, e.g. o_proj and down_proj): the
 programs of one column tile each sum a contiguous range of K and store fp32 partials in a
@@ -38,17 +38,18 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from kiln.ops.triton import gemv_configs
 from kiln.ops.triton.kernels.gemv import gemv_dot_kernel, gemv_fma_kernel
 
-MAX_ROWS = 16  # above this, callers use cuBLAS
+MAX_ROWS = 64  # above this, callers use cuBLAS
 # Measured on the H200 (benchmarks/gemv.py): the FMA kernel wins at one row (qkv 1.14x,
 # o_proj 1.09x over cuBLAS) but lost 0.5-0.9x at 2 and 4 rows, where the tl.dot kernel
 # (x padded to 16 rows) matched or beat cuBLAS.
 FMA_MAX_ROWS = 1
-DOT_ROWS = 16  # x rows are padded to this for tl.dot (its minimum)
+MIN_DOT_ROWS = 16  # x rows are padded to a power of two, at least this (tl.dot's minimum)
 # The FMA kernel's accumulator: at most this many fp32 registers per thread.
 MAX_ACC_PER_THREAD = 64
 # Column tiles a split-K launch may have (the counter buffer's length).
@@ -73,8 +74,9 @@ FMA_CONFIGS = [
     _config(16, 512, 2, 8, 3),
     _config(16, 256, 4, 8, 4),
 ]
-# The dot kernel stages W tiles in shared memory: num_stages x (BLOCK_N + 16) x BLOCK_K x 2
-# bytes stays under ~150 KB.
+# The dot kernel stages W and x tiles in shared memory (num_stages x (BLOCK_N + rows) x
+# BLOCK_K elements; the pruning drops those past MAX_SHARED_BYTES). Wide column tiles are
+# for 32 and 64 rows, where every program reads all of x (64 rows: 512 KB at K = 4096).
 DOT_CONFIGS = [
     _config(64, 128, 1, 4, 4),
     _config(64, 256, 1, 4, 3),
@@ -83,7 +85,13 @@ DOT_CONFIGS = [
     _config(64, 128, 2, 4, 4),
     _config(64, 256, 4, 4, 3),
     _config(32, 256, 2, 4, 4),
+    _config(128, 64, 1, 4, 5),
+    _config(128, 128, 1, 8, 3),
+    _config(256, 64, 1, 8, 4),
+    _config(128, 64, 2, 4, 5),
+    _config(64, 64, 1, 4, 2),  # fits where nothing else does (fp32 at 64 rows)
 ]
+MAX_SHARED_BYTES = 200 << 10  # an H100/H200 SM has 227 KB
 
 
 def _num_sms(device: torch.device) -> int:
@@ -92,10 +100,13 @@ def _num_sms(device: torch.device) -> int:
     return _FALLBACK_NUM_SMS
 
 
-def config_fits(config: triton.Config, rows: int, N: int, K: int, num_sms: int, fma: bool) -> bool:
+def config_fits(config: triton.Config, rows: int, N: int, K: int, num_sms: int, fma: bool,
+                element_size: int = 2) -> bool:
     """Whether `config` is worth trying for this shape (rows: the padded BLOCK_M)."""
     block_n, block_k, split_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"], config.kwargs["SPLIT_K"]
     if fma and rows * block_n * block_k > MAX_ACC_PER_THREAD * 32 * config.num_warps:
+        return False
+    if not fma and config.num_stages * (block_n + rows) * block_k * element_size > MAX_SHARED_BYTES:
         return False
     if split_k > 1:
         tiles = triton.cdiv(N, block_n)
@@ -106,8 +117,8 @@ def config_fits(config: triton.Config, rows: int, N: int, K: int, num_sms: int, 
     return True
 
 
-def _fitting(configs, rows, N, K, num_sms, fma):
-    fitting = [c for c in configs if config_fits(c, rows, N, K, num_sms, fma)]
+def _fitting(configs, rows, N, K, num_sms, fma, element_size=2):
+    fitting = [c for c in configs if config_fits(c, rows, N, K, num_sms, fma, element_size)]
     # Never prune everything: the smallest accumulator always compiles.
     return fitting or [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] / c.num_warps)]
 
@@ -115,7 +126,8 @@ def _fitting(configs, rows, N, K, num_sms, fma):
 def _prune(fma):
     def prune(configs, named_args, **kwargs):
         x = named_args["x_ptr"]
-        return _fitting(configs, kwargs["BLOCK_M"], named_args["N"], named_args["K"], _num_sms(x.device), fma)
+        return _fitting(configs, kwargs["BLOCK_M"], named_args["N"], named_args["K"], _num_sms(x.device), fma,
+                        x.element_size())
     return prune
 
 
@@ -131,16 +143,20 @@ def _bench(fn, quantiles):
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
-def default_config(N: int, K: int, block_m: int, num_sms: int, fma: bool) -> triton.Config:
+def _median(fn) -> float:
+    return _bench(fn, [0.5, 0.5])[0]  # do_bench returns a bare float for one quantile
+
+
+def default_config(N: int, K: int, block_m: int, num_sms: int, fma: bool, element_size: int = 2) -> triton.Config:
     """A config that suits any shape, for one no tuning has seen: the FMA kernel's widest K
     chunk, the dot kernel's 64x128 tile, split in two where the column tiles leave SMs idle."""
     if fma:
         wanted = _config(8, 512 if K >= 512 else 256, 1, 4, 3)
     else:
         wanted = _config(64, 128, 2 if triton.cdiv(N, 64) < num_sms else 1, 4, 4)
-    if config_fits(wanted, block_m, N, K, num_sms, fma):
+    if config_fits(wanted, block_m, N, K, num_sms, fma, element_size):
         return wanted
-    return _fitting(FMA_CONFIGS if fma else DOT_CONFIGS, block_m, N, K, num_sms, fma)[0]
+    return _fitting(FMA_CONFIGS if fma else DOT_CONFIGS, block_m, N, K, num_sms, fma, element_size)[0]
 
 
 _launch_configs: dict[tuple, triton.Config] = {}
@@ -158,20 +174,55 @@ def launch_config(device: torch.device, N: int, K: int, block_m: int, dtype: tor
             return None
         if known is None:
             gemv_configs.log_default_once(device)
-        config = _config(*known) if known else default_config(N, K, block_m, _num_sms(device), fma)
+        if isinstance(known, tuple):
+            config = _config(*known)
+        else:  # none known, or CUBLAS (the kernel is asked for anyway: tests, benchmarks)
+            config = default_config(N, K, block_m, _num_sms(device), fma, torch.empty(0, dtype=dtype).element_size())
         _launch_configs[key] = config
     return config
 
 
-def tuned_choices() -> dict[tuple, triton.Config]:
-    """What the autotuner picked in this process: (N, K, padded rows, dtype) -> config."""
+def tuned_choices() -> dict[tuple, triton.Config | str]:
+    """What tuning picked in this process: (N, K, padded rows, dtype) -> config, or CUBLAS
+    where cuBLAS beat the autotuner's pick."""
     choices = {}
     for autotuned in (fma_kernel, dot_kernel):
         for key, config in autotuned.cache.items():
             dtype = next((d for d in (torch.bfloat16, torch.float16, torch.float32) if str(d) in key[3:]), None)
             if dtype is not None:
                 choices[(*key[:3], dtype)] = config
+    for key, kernel_wins in _kernel_wins.items():
+        if not kernel_wins:
+            choices[key[1:]] = gemv_configs.CUBLAS
     return choices
+
+
+# (device, N, K, padded rows, dtype) -> whether the kernel beats cuBLAS there (past MIN_DOT_ROWS rows)
+_kernel_wins: dict[tuple, bool] = {}
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for at most MAX_ROWS rows by the kernel or by cuBLAS, whichever is known to be
+    faster for this shape: up to MIN_DOT_ROWS rows always the kernel; past them what tuning or
+    kiln's table says, cuBLAS for a shape neither knows. Inside gemv_configs.tuning() an unknown
+    shape past MIN_DOT_ROWS rows is autotuned, then timed against cuBLAS."""
+    rows = x.numel() // x.shape[-1]
+    if rows <= MIN_DOT_ROWS:
+        return skinny_matmul(x, weight)
+    N, K = weight.shape
+    block_m = padded_rows(rows, "dot")
+    key = (x.device, N, K, block_m, x.dtype)
+    wins = _kernel_wins.get(key)
+    if wins is None:
+        known = gemv_configs.known(x.device, N, K, block_m, x.dtype)
+        if known is None and gemv_configs.is_tuning():
+            out = skinny_matmul(x, weight)  # autotunes
+            config = chosen_config(rows, N, K, x.dtype)
+            _kernel_wins[key] = _median(lambda: skinny_matmul(x, weight, config=config)) < _median(
+                lambda: F.linear(x, weight))
+            return out
+        wins = _kernel_wins[key] = isinstance(known, tuple)
+    return skinny_matmul(x, weight) if wins else F.linear(x, weight)
 
 
 _KEY = ["N", "K", "BLOCK_M"]
@@ -194,6 +245,13 @@ def _split_counters(device: torch.device) -> torch.Tensor:
 
 def choose_kernel(rows: int) -> str:
     return "fma" if rows <= FMA_MAX_ROWS else "dot"
+
+
+def padded_rows(rows: int, kernel: str) -> int:
+    """BLOCK_M of a launch: the autotuning key's row count."""
+    if kernel == "fma":
+        return max(triton.next_power_of_2(rows), 1)
+    return max(triton.next_power_of_2(rows), MIN_DOT_ROWS)
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
@@ -234,14 +292,12 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
 
     kernel = kernel or choose_kernel(M)
     fma = kernel == "fma"
-    block_m = max(triton.next_power_of_2(M), 1) if fma else DOT_ROWS
-    if not fma and M > DOT_ROWS:
-        raise ValueError(f"skinny_matmul: the dot kernel takes at most {DOT_ROWS} rows")
+    block_m = padded_rows(M, kernel)
     autotuned = fma_kernel if fma else dot_kernel
     if config is None:
         config = launch_config(x.device, N, K, block_m, x.dtype, fma)
     candidates = [config] if config is not None else _fitting(autotuned.configs, block_m, N, K,
-                                                            _num_sms(x.device), fma)
+                                                            _num_sms(x.device), fma, x.element_size())
     max_split = max(c.kwargs["SPLIT_K"] for c in candidates)
     # Every split writes M x N fp32 partials; a workspace for the largest split any
     # candidate uses (unread, and one element, when none splits).
@@ -267,9 +323,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
 def chosen_config(rows: int, N: int, K: int, dtype: torch.dtype, kernel: str | None = None) -> triton.Config | None:
     """The config the autotuner picked for this shape (None before its first call)."""
     kernel = kernel or choose_kernel(rows)
-    fma = kernel == "fma"
-    block_m = max(triton.next_power_of_2(rows), 1) if fma else DOT_ROWS
-    autotuned = fma_kernel if fma else dot_kernel
+    block_m = padded_rows(rows, kernel)
+    autotuned = fma_kernel if kernel == "fma" else dot_kernel
     for key, config in autotuned.cache.items():
         if tuple(key[:3]) == (N, K, block_m) and str(dtype) in key[3:]:
             return config

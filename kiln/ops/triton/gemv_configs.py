@@ -3,8 +3,10 @@
 Autotuning compiles and times every candidate on a machine's first start (11.7 s for the
 Llama-3-8B shapes on the H200). So a start takes, in order: the configs `kiln prewarm` tuned
 on this GPU and kept in kiln's cache root; the table below, tuned on the GPUs named in it;
-else a fixed config that suits any shape (kiln.ops.triton.gemv, logged once). The
-autotuner runs only inside `tuning()`, which prewarm enters.
+else a fixed config that suits any shape (kiln.ops.triton.gemv, logged once). Past 16 rows
+cuBLAS is faster for some shapes, so there an entry may say CUBLAS, and a shape with no
+entry takes cuBLAS. The autotuner runs only inside `tuning()`, which prewarm enters; there a
+shape past 16 rows is also timed against cuBLAS.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import triton
 
 logger = logging.getLogger("kiln")
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) per (N, K, padded rows), bf16: the
-# autotuner's picks in benchmarks/gemv.py on an H200 (benchmarks/results/gemv_cuda.json:
+# cuBLAS is faster for this shape: the linear calls it, not the kernel (tuned past 16 rows only).
+CUBLAS = "cublas"
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) or CUBLAS per (N, K, padded rows), bf16:
+# the autotuner's picks in benchmarks/gemv.py on an H200 (benchmarks/results/gemv_cuda.json:
 # Llama-3-8B's qkv, o_proj, gate_up, down and lm_head; one row takes the FMA kernel, 2-16
-# rows the dot kernel padded to 16).
+# rows the dot kernel padded to 16, then 32 and 64, where cuBLAS won some shapes).
 TUNED = {
     "NVIDIA H200": {
         (6144, 4096, 1): (8, 512, 1, 4, 3), (4096, 4096, 1): (8, 512, 1, 4, 3),
@@ -30,6 +34,12 @@ TUNED = {
         (6144, 4096, 16): (64, 256, 1, 4, 3), (4096, 4096, 16): (32, 256, 2, 4, 4),
         (28672, 4096, 16): (64, 128, 1, 4, 4), (4096, 14336, 16): (64, 128, 2, 4, 4),
         (128256, 4096, 16): (64, 128, 1, 4, 4),
+        (6144, 4096, 32): CUBLAS, (4096, 4096, 32): (32, 256, 2, 4, 4),
+        (28672, 4096, 32): CUBLAS, (4096, 14336, 32): (64, 128, 2, 4, 4),
+        (128256, 4096, 32): (128, 64, 1, 4, 5),
+        (6144, 4096, 64): CUBLAS, (4096, 4096, 64): CUBLAS,
+        (28672, 4096, 64): CUBLAS, (4096, 14336, 64): (64, 128, 2, 4, 4),
+        (128256, 4096, 64): (128, 128, 1, 4, 4),
     },
 }
 TUNED_FILE = "gemv.json"  # under <cache root>/tuning/, written by kiln prewarm
@@ -58,12 +68,12 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def known(device: torch.device, N: int, K: int, block_m: int, dtype: torch.dtype) -> tuple | None:
-    """A kept or tabled config for this shape, or None."""
+def known(device: torch.device, N: int, K: int, block_m: int, dtype: torch.dtype) -> tuple | str | None:
+    """A kept or tabled config for this shape, CUBLAS, or None."""
     name = device_name(device)
     kept = _kept_configs().get(_file_key(name, dtype), {}).get(f"{N},{K},{block_m}")
     if kept is not None:
-        return tuple(kept)
+        return kept if kept == CUBLAS else tuple(kept)
     return TUNED.get(name, {}).get((N, K, block_m)) if dtype == torch.bfloat16 else None
 
 
@@ -96,9 +106,9 @@ def _kept_configs() -> dict[str, dict]:
     return _kept
 
 
-def keep(device: torch.device, choices: dict[tuple, triton.Config]) -> int:
-    """Write the autotuner's `choices` ((N, K, padded rows, dtype) -> config) for this GPU into
-    the cache root, beside what was kept before; returns how many."""
+def keep(device: torch.device, choices: dict[tuple, triton.Config | str]) -> int:
+    """Write the autotuner's `choices` ((N, K, padded rows, dtype) -> config or CUBLAS) for this
+    GPU into the cache root, beside what was kept before; returns how many."""
     from kiln.compile.cache.store import write_atomic
 
     global _kept
@@ -108,7 +118,7 @@ def keep(device: torch.device, choices: dict[tuple, triton.Config]) -> int:
     except (OSError, ValueError):
         kept = {}
     for (N, K, block_m, dtype), c in choices.items():
-        kept.setdefault(_file_key(device_name(device), dtype), {})[f"{N},{K},{block_m}"] = [
+        kept.setdefault(_file_key(device_name(device), dtype), {})[f"{N},{K},{block_m}"] = c if isinstance(c, str) else [
             c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages]
     write_atomic(path, json.dumps(kept, indent=1, sort_keys=True).encode())
     _kept = kept
