@@ -111,7 +111,8 @@ def main():
         if default is None:  # the sweep does not hold the default: time it on its own
             ms = time_graph(lambda: paged_attention(q, kv, out, meta, DIM**-0.5))
             default = {"block_n": default_tiles.block_n, "num_warps": default_tiles.num_warps,
-                       "num_stages": default_tiles.num_stages, "kv_splits": default_splits, "us": ms * 1e3, "tb_per_s": kv_bytes / (ms / 1e3) / 1e12}
+                       "num_stages": default_tiles.num_stages, "kv_splits": default_splits, "us": ms * 1e3,
+                       "tb_per_s": kv_bytes / (ms / 1e3) / 1e12}
         results.append({"batch": batch, "context": context, "kv_bytes": kv_bytes, "default": default,
                         "best": best, "all": rows})
         print(f"b{batch:<4d} ctx {context:5d}: default (n{default['block_n']} w{default['num_warps']} "

@@ -233,8 +233,7 @@ def main():
               + " | ".join(f"{impl} {step[f'{impl}_us']:.0f} us ({step[f'{impl}_over_floor']:.3f}x floor)"
                            for impl in ("cublas", "triton") if f"{impl}_us" in step), flush=True)
     # What the autotuner picked for shapes kiln's table lacks, in the table's form.
-    info["tuned"] = {f"{n},{k},{block_m}": [c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"],
-                                            c.num_warps, c.num_stages]
+    info["tuned"] = {f"{n},{k},{block_m}": gemv_configs.as_entry(c)
                      for (n, k, block_m, dtype), c in gemv.tuned_choices().items() if dtype == DTYPE}
     print("tuned:", json.dumps(info["tuned"]), flush=True)
     info["elapsed_s"] = time.perf_counter() - start

@@ -106,6 +106,14 @@ def _kept_configs() -> dict[str, dict]:
     return _kept
 
 
+def as_entry(choice: triton.Config | str) -> list | str:
+    """A tuning choice as the kept file (and the table) writes it."""
+    if isinstance(choice, str):
+        return choice
+    kw = choice.kwargs
+    return [kw["BLOCK_N"], kw["BLOCK_K"], kw["SPLIT_K"], choice.num_warps, choice.num_stages]
+
+
 def keep(device: torch.device, choices: dict[tuple, triton.Config | str]) -> int:
     """Write the autotuner's `choices` ((N, K, padded rows, dtype) -> config or CUBLAS) for this
     GPU into the cache root, beside what was kept before; returns how many."""
@@ -118,8 +126,7 @@ def keep(device: torch.device, choices: dict[tuple, triton.Config | str]) -> int
     except (OSError, ValueError):
         kept = {}
     for (N, K, block_m, dtype), c in choices.items():
-        kept.setdefault(_file_key(device_name(device), dtype), {})[f"{N},{K},{block_m}"] = c if isinstance(c, str) else [
-            c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages]
+        kept.setdefault(_file_key(device_name(device), dtype), {})[f"{N},{K},{block_m}"] = as_entry(c)
     write_atomic(path, json.dumps(kept, indent=1, sort_keys=True).encode())
     _kept = kept
     return len(choices)
