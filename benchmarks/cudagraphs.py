@@ -191,7 +191,7 @@ def kernel_profile(once, device: str, steps: int = 5) -> dict | None:
     for e in events:
         name = e.key.lower()
         cat = ("gemm" if any(g in name for g in GEMM_NAMES) else "attention" if "attention" in name
-               or "merge_splits" in name else "kv_write" if "write_kv" in name else "other")
+               else "kv_write" if "write_kv" in name else "other")
         entry = cats.setdefault(cat, [0.0, 0])
         entry[0] += e.self_device_time_total / steps / 1e3
         entry[1] += e.count / steps

@@ -20,8 +20,9 @@ sequence i and there is no search (its log2(num_seqs) dependent loads cost a sho
 context's program a large share of its life).
 
 With few sequences and long contexts (decode) a launch may split each context into
-kv_splits ranges handled by separate programs (flash-decoding); a second small kernel
-merges the partial softmaxes.
+kv_splits ranges handled by separate programs (flash-decoding). Each stores its partial
+softmax, and the last of a tile's splits to finish (a per-tile counter in a persistent
+zeroed buffer, which it zeroes again) merges them: no second launch, and capturable.
 
 Rows of `out` past the batch's last query (query_start_loc[-1] onwards: padding up to a
 CUDA-graph bucket) are left untouched.
@@ -36,11 +37,7 @@ import torch
 import triton
 
 from kiln.forward_context import AttentionMetadata
-from kiln.ops.triton.kernels.attention import (
-    merge_splits_kernel,
-    paged_attention_kernel,
-    write_kv_kernel,
-)
+from kiln.ops.triton.kernels.attention import paged_attention_kernel, write_kv_kernel
 
 MAX_KV_SPLITS = 16
 # Below this many keys a decode context is not worth splitting.
@@ -48,6 +45,9 @@ MIN_KEYS_PER_SPLIT = 128
 # Programs per SM a decode launch aims for before it splits contexts (measured on the H200
 # with benchmarks/attention_tiles.py: 1 per SM left batch 8 at 2k tokens 1.8x slower).
 PROGRAMS_PER_SM = 4
+# Tiles x kv heads a split launch may have (its merge counters; a split decode batch has at
+# most PROGRAMS_PER_SM x SMs / 2 of them).
+MAX_SPLIT_PROGRAMS = 4096
 
 
 # ---------------------------------------------------------------------------- KV write
@@ -210,14 +210,18 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
     one_query = meta.max_query_len == 1
     num_tiles = num_seqs if one_query else query.shape[0] // block_q + num_seqs
     partial_acc = partial_max = partial_sum = out  # unused placeholders when not split
+    counters = _merge_counters(query.device)
     if splits > 1:
+        if num_tiles * num_kv_heads > MAX_SPLIT_PROGRAMS:
+            raise ValueError(f"paged_attention: {num_tiles} tiles x {num_kv_heads} kv heads split {splits} ways "
+                             f"exceed the {MAX_SPLIT_PROGRAMS} merge counters; use fewer kv_splits (1 for this batch)")
         partial_max = torch.empty(query.shape[0], num_heads, splits, dtype=torch.float32, device=query.device)
         partial_sum = torch.empty_like(partial_max)
         partial_acc = torch.empty(*partial_max.shape, block_dim, dtype=torch.float32, device=query.device)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     paged_attention_kernel[(num_tiles, num_kv_heads, splits)](
         query, key_cache, value_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        partial_acc, partial_max, partial_sum, num_seqs, scale * math.log2(math.e),
+        partial_acc, partial_max, partial_sum, counters, num_seqs, scale * math.log2(math.e),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), kv_cache.shape[2],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=tiles.block_m,
@@ -227,9 +231,13 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
         num_warps=tiles.num_warps,
         **({"num_stages": tiles.num_stages} if tiles.num_stages is not None else {}),
     )
-    if splits > 1:
-        merge_splits_kernel[(query.shape[0], num_heads)](
-            out, partial_acc, partial_max, partial_sum, meta.query_start_loc, num_seqs,
-            out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_DIM=block_dim, KV_SPLITS=splits,
-            num_warps=4,
-        )
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device) -> torch.Tensor:
+    # Allocated on the first call at a device (warm-up, before any capture), zero between launches.
+    if device not in _counters:
+        _counters[device] = torch.zeros(MAX_SPLIT_PROGRAMS, dtype=torch.int32, device=device)
+    return _counters[device]

@@ -84,7 +84,7 @@ def _attend(q, query_pos, key_begin, key_end, block_table_ptr, key_cache_ptr, va
 @triton.jit(do_not_specialize=["num_seqs"])
 def paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, num_seqs, scale_log2,
+    query_start_loc_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, counter_ptr, num_seqs, scale_log2,
     query_token_stride, query_head_stride, out_token_stride, out_head_stride, block_table_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -137,28 +137,31 @@ def paged_attention_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         # partials are [tokens, query heads, KV_SPLITS (, BLOCK_DIM)], contiguous fp32
-        partial_row = (token * (tl.num_programs(1) * GROUP) + head) * KV_SPLITS + split
-        tl.store(partial_max_ptr + partial_row, row_max, mask=row_valid)
-        tl.store(partial_sum_ptr + partial_row, row_sum, mask=row_valid)
-        tl.store(partial_acc_ptr + partial_row[:, None] * BLOCK_DIM + dims[None, :], acc, mask=io_mask)
-
-
-@triton.jit(do_not_specialize=["num_seqs"])
-def merge_splits_kernel(out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr,
-                         num_seqs, out_token_stride, out_head_stride,
-                         HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, KV_SPLITS: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    if token >= tl.load(query_start_loc_ptr + num_seqs):  # padding past the batch
-        return
-    partial_row = (token * tl.num_programs(1) + head) * KV_SPLITS
-    splits = tl.arange(0, KV_SPLITS)
-    split_max = tl.load(partial_max_ptr + partial_row + splits)
-    split_sum = tl.load(partial_sum_ptr + partial_row + splits)
-    # Every row sees key 0 in split 0, so the overall max is finite; empty splits weigh 0.
-    weight = tl.exp2(split_max - tl.max(split_max, axis=0))
-    dims = tl.arange(0, BLOCK_DIM)
-    split_acc = tl.load(partial_acc_ptr + (partial_row + splits)[:, None] * BLOCK_DIM + dims[None, :])
-    out = tl.sum(split_acc * weight[:, None], axis=0) / tl.sum(split_sum * weight, axis=0)
-    tl.store(out_ptr + token * out_token_stride + head * out_head_stride + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+        first_row = (token * (tl.num_programs(1) * GROUP) + head) * KV_SPLITS
+        tl.store(partial_max_ptr + first_row + split, row_max, mask=row_valid)
+        tl.store(partial_sum_ptr + first_row + split, row_sum, mask=row_valid)
+        tl.store(partial_acc_ptr + (first_row + split)[:, None] * BLOCK_DIM + dims[None, :], acc, mask=io_mask)
+        # The last split of this tile to arrive merges them all, as the GEMV's split-K does: every
+        # thread's partials are stored before the arrival is published (release), and the last
+        # arriver's acquire makes the other programs' visible; it reads them at L2 (.cg).
+        tl.debug_barrier()
+        counter = counter_ptr + tile * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == KV_SPLITS - 1:
+            splits = tl.arange(0, KV_SPLITS)
+            split_max = tl.load(partial_max_ptr + first_row[:, None] + splits[None, :], mask=row_valid[:, None],
+                                other=0.0, cache_modifier=".cg")
+            split_sum = tl.load(partial_sum_ptr + first_row[:, None] + splits[None, :], mask=row_valid[:, None],
+                                other=0.0, cache_modifier=".cg")
+            # Every row sees key 0 in split 0, so its max is finite; empty splits weigh 0.
+            top = tl.max(split_max, axis=1)
+            total = tl.sum(split_sum * tl.exp2(split_max - top[:, None]), axis=1)
+            merged = tl.zeros([BLOCK_M, BLOCK_DIM], dtype=tl.float32)
+            for s in tl.static_range(KV_SPLITS):
+                weight = tl.exp2(tl.load(partial_max_ptr + first_row + s, mask=row_valid, other=0.0,
+                                         cache_modifier=".cg") - top)
+                merged += weight[:, None] * tl.load(partial_acc_ptr + (first_row + s)[:, None] * BLOCK_DIM
+                                                    + dims[None, :], mask=io_mask, other=0.0, cache_modifier=".cg")
+            out = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+            out_ptrs = out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims[None, :]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
