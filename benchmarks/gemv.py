@@ -15,6 +15,9 @@ table has no config for is autotuned first, as kiln prewarm does):
 - microseconds per call, GB/s ((W + x + y) bytes / time), cuBLAS time / kernel time, and
   the config the autotuner picked. At M = 1, 2 and 4 the other kernel (dot / fma) is timed
   too, to check the FMA_MAX_ROWS threshold.
+- for the down projection, also the MLP's activation with it, as the engine runs it: kiln's
+  gated GEMV (silu(gate) * up computed in its loads; `gated_us`) against the SiLU kernel
+  followed by the GEMV or cuBLAS (`unfused_us`), both through gemv.linear's choice.
 
 Then the decode step of Llama-3-8B (32 layers x qkv, o, gate_up, down, plus lm_head) at
 M = 1, 8 and 64, summed from the per-shape times, against the floor: its 15.0 GB of weights
@@ -60,6 +63,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kiln.ops.triton import gemv, gemv_configs  # noqa: E402
+from kiln.ops.triton.activation import silu_and_mul  # noqa: E402
 
 DEVICE = torch.device(args.device)
 # The interpreter's tl.dot multiplies bf16 as raw integers (tests/test_triton_kernels.py), so
@@ -147,6 +151,10 @@ def bench_case(name, n, k, m, weights, results):
     dtype = DTYPE
     g = torch.Generator(device=DEVICE).manual_seed(m)
     x = torch.randn(m, k, generator=g, device=DEVICE).to(dtype)
+    gate_up = None
+    if name == "down":  # x is the activation of a gate_up output, which the gated impls take
+        gate_up = (torch.randn(m, 2 * k, generator=g, device=DEVICE) * 3).to(dtype)
+        x = silu_and_mul(gate_up)
     w0 = weights[0]
     ref = x.float() @ w0.float().T
     nbytes = (n * k + m * k + m * n) * 2
@@ -156,6 +164,9 @@ def bench_case(name, n, k, m, weights, results):
     other = {1: "dot", 2: "fma", 4: "fma"}.get(m)
     if other:
         impls[f"triton_{other}"] = lambda x, w: gemv.skinny_matmul(x, w, kernel=other)
+    if gate_up is not None:
+        impls["gated"] = lambda x, w: gemv.linear(gate_up, w, gated=True)
+        impls["unfused"] = lambda x, w: gemv.linear(silu_and_mul(gate_up), w)
     for impl, fn in impls.items():
         try:
             if impl != "cublas":
@@ -172,7 +183,7 @@ def bench_case(name, n, k, m, weights, results):
                     raise AssertionError(f"after graph replay: rel err {err:.2e}")
             row[f"{impl}_us"] = seconds * 1e6
             row[f"{impl}_gbps"] = nbytes / seconds / 1e9
-            if impl != "cublas":
+            if impl.startswith("triton"):
                 kernel = impl.split("_")[1] if "_" in impl else gemv.choose_kernel(m)
                 block_m = gemv.padded_rows(m, kernel)
                 row[f"{impl}_config"] = config_str(
@@ -183,12 +194,16 @@ def bench_case(name, n, k, m, weights, results):
             traceback.print_exc(limit=3)
     if "cublas_us" in row and "triton_us" in row:
         row["speedup"] = row["cublas_us"] / row["triton_us"]
+    if "gated_us" in row and "unfused_us" in row:
+        row["gated_speedup"] = row["unfused_us"] / row["gated_us"]
     results.append(row)
     fmt = lambda key, spec: format(row[key], spec) if key in row else "-"  # noqa: E731
     print(f"{name:8s} {n:6d} {k:5d} {m:2d} | cuBLAS {fmt('cublas_us', '8.1f')} us {fmt('cublas_gbps', '6.0f')} GB/s"
           f" | triton {fmt('triton_us', '8.1f')} us {fmt('triton_gbps', '6.0f')} GB/s | x{fmt('speedup', '.3f')}"
           f" | err {fmt('triton_rel_err', '.1e')} | {row.get('triton_config') or row.get('triton_error', '')}"
-          + (f" | {other}: {fmt(f'triton_{other}_us', '.1f')} us" if other else ""), flush=True)
+          + (f" | {other}: {fmt(f'triton_{other}_us', '.1f')} us" if other else "")
+          + (f" | SiLU fused {fmt('gated_us', '.1f')} us, apart {fmt('unfused_us', '.1f')} us"
+             if gate_up is not None else ""), flush=True)
 
 
 def main():

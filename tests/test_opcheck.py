@@ -29,6 +29,7 @@ def _cases():
         "fused_add_rms_norm": (ops.fused_add_rms_norm, (_rand(T, HIDDEN), _rand(T, HIDDEN), _rand(HIDDEN), 1e-5)),
         "silu_and_mul": (ops.silu_and_mul, (_rand(T, 2 * HIDDEN),)),
         "skinny_linear": (ops.skinny_linear, (_rand(T, HIDDEN), _rand(3 * HIDDEN, HIDDEN))),
+        "silu_and_mul_linear": (ops.silu_and_mul_linear, (_rand(T, 2 * HIDDEN), _rand(3 * HIDDEN, HIDDEN))),
         "rotary_embedding": (ops.rotary_embedding, (torch.arange(T), _rand(T, HEADS * HEAD_DIM),
                                                     _rand(T, KV_HEADS * HEAD_DIM), cache, HEAD_DIM)),
         "kv_cache_write": (ops.kv_cache_write, (k, v, "layer0")),

@@ -58,30 +58,58 @@ def test_kernel_path_is_opaque_to_dynamo():
         assert any(f"kiln.{op}" in t for t in targets), op
 
 
+class _CountCalls(TorchDispatchMode):
+    """The ops a forward dispatches, by name; kiln ops are seen whole (their insides run without the mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _forward_calls(model) -> list[str]:
+    with torch.inference_mode(), set_forward_context(None, {}), _CountCalls() as counter:
+        model.compute_logits(model(torch.arange(3), torch.arange(3)))
+    return counter.calls
+
+
 def test_skinny_linear_is_every_linear_layers_matmul():
     """On: every linear layer (qkv, o, gate_up, down, lm_head) calls kiln::skinny_linear and
     nothing else runs a matmul; off: F.linear, as before."""
     from kiln.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
     from kiln.ops.linear import skinny_linear_op
 
-    ids = torch.arange(3)
     for enabled in (True, False):
         ops = resolve_custom_ops(["none", "+skinny_linear"] if enabled else ["none"], "all")
         model = build_model(PRESETS["tiny-llama"], torch.float32, torch.device("cpu"), ops, None)
         linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
         assert len(linears) == 4 * PRESETS["tiny-llama"].num_layers + 1
         assert all(m.matmul is (skinny_linear_op if enabled else torch.nn.functional.linear) for m in linears)
-        calls = []
-
-        class Count(TorchDispatchMode):  # sees kiln ops whole (their insides run without the mode)
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                calls.append(func.overloadpacket.__name__)
-                return func(*args, **(kwargs or {}))
-
-        with torch.inference_mode(), set_forward_context(None, {}), Count():
-            model.compute_logits(model(ids, ids))
+        calls = _forward_calls(model)
         skinny, linear = calls.count("skinny_linear"), sum(calls.count(name) for name in ("linear", "mm", "addmm", "matmul"))
         assert (skinny, linear) == ((len(linears), 0) if enabled else (0, len(linears))), (skinny, linear)
+
+
+def test_down_projection_takes_the_activation_where_gemv_and_silu_kernels_are_on():
+    """With skinny_linear and silu_and_mul both on, each MLP calls kiln::silu_and_mul_linear
+    instead of the pair, and the logits are exactly the pair's; with either off, nothing is fused."""
+    layers = PRESETS["tiny-llama"].num_layers
+    logits = {}
+    for names in (["none", "+skinny_linear", "+silu_and_mul"], ["none", "+skinny_linear"], ["none", "+silu_and_mul"]):
+        model = build_model(PRESETS["tiny-llama"], torch.float32, torch.device("cpu"),
+                            resolve_custom_ops(names, "all"), None)
+        calls = _forward_calls(model)
+        fused = len(names) == 3
+        assert calls.count("silu_and_mul_linear") == (layers if fused else 0), names
+        assert calls.count("silu_and_mul") == (0 if fused or "+silu_and_mul" not in names else layers), names
+        assert all((mlp.act is None) == fused for mlp in model.modules() if type(mlp).__name__ == "LlamaMLP")
+        with torch.inference_mode(), set_forward_context(None, {}):
+            logits[tuple(names)] = model.compute_logits(model(torch.arange(5), torch.arange(5)))
+    fused, *unfused = logits.values()
+    assert all(torch.equal(fused, other) for other in unfused)
 
 
 def test_llama31_rope_scaling_matches_transformers():

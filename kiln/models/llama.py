@@ -31,6 +31,7 @@ from kiln.models.parallel_layers import (
     store,
 )
 from kiln.ops import Attention, RMSNorm, RotaryEmbedding, SiluAndMul
+from kiln.ops.linear import fuses_silu_and_mul
 
 
 class LlamaMLP(nn.Module):
@@ -38,11 +39,13 @@ class LlamaMLP(nn.Module):
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], what="intermediate_size")
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, what="intermediate_size")
-        self.act = SiluAndMul()
+        fused = fuses_silu_and_mul()
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, what="intermediate_size", silu_and_mul=fused)
+        self.act = None if fused else SiluAndMul()
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        return self.down_proj(h if self.act is None else self.act(h))
 
 
 class LlamaAttention(nn.Module):

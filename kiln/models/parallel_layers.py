@@ -22,7 +22,7 @@ from torch import nn
 
 from kiln.distributed import tp_state
 from kiln.distributed.collectives import all_gather, all_reduce
-from kiln.ops.linear import linear_matmul
+from kiln.ops.linear import linear_matmul, silu_and_mul_linear_op
 
 
 def per_rank(size: int, what: str, parts: int) -> int:
@@ -92,7 +92,7 @@ class RowParallelLinear(ShardedLayer):
     """y = x W^T where x arrives as this rank's slice of the input features (a
     column-parallel layer's output); the partial products are summed over the ranks."""
 
-    def __init__(self, input_size: int, output_size: int, what: str = "input features"):
+    def __init__(self, input_size: int, output_size: int, what: str = "input features", silu_and_mul: bool = False):
         super().__init__()
         tp = tp_state()
         self.tp = tp
@@ -100,7 +100,9 @@ class RowParallelLinear(ShardedLayer):
         self.full_weight_shape = (output_size, input_size)
         self.weight = nn.Parameter(torch.empty(output_size, self.shard_cols))
         self.reduce = tp.size > 1
-        self.matmul = linear_matmul()
+        # silu_and_mul: x is a gate_up output ([gate | up] of this rank's columns) and the
+        # activation runs inside the matmul.
+        self.matmul = silu_and_mul_linear_op if silu_and_mul else linear_matmul()
 
     def load_weight(self, full: torch.Tensor, part: int | None = None) -> None:
         _check_shape(full, self.full_weight_shape)

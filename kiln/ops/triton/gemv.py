@@ -26,6 +26,13 @@ in a CUDA graph (the counters are a persistent zeroed buffer that every launch l
 zeroed). The counters are shared by all launches on a device: launches that could overlap
 (two streams at once) are not supported.
 
+Gated (the MLP's down projection at one row, `gated=True`): x's row is [gate | up], twice W's
+K, and each chunk of x is silu(gate) * up, computed as it is loaded and rounded as
+kiln::silu_and_mul rounds, so the result is bitwise the unfused pair's and the SiLU kernel's
+launch is gone. It shares the plain launch's tuning key. Only the FMA kernel has it: in the dot
+kernel the SiLU between x's load and the dot measured 1.4-2.6x slower than the pair (H200,
+down_proj at 2-64 rows: 49-100 us against 33-38), at one row 0.6 us faster (32.5 against 33.1).
+
 A launch takes the config kiln.ops.triton.gemv_configs knows for its (N, K, padded rows,
 dtype): kept by kiln prewarm, or from kiln's table, else a fixed one; nothing is timed on a
 start. Inside gemv_configs.tuning() (kiln prewarm) an unknown shape is autotuned instead;
@@ -201,14 +208,28 @@ def tuned_choices() -> dict[tuple, triton.Config | str]:
 _kernel_wins: dict[tuple, bool] = {}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """x @ weight.T for at most MAX_ROWS rows by the kernel or by cuBLAS, whichever is known to be
     faster for this shape: up to MIN_DOT_ROWS rows always the kernel; past them what tuning or
     kiln's table says, cuBLAS for a shape neither knows. Inside gemv_configs.tuning() an unknown
-    shape past MIN_DOT_ROWS rows is autotuned, then timed against cuBLAS."""
+    shape past MIN_DOT_ROWS rows is autotuned, then timed against cuBLAS. gated: x is [gate | up]
+    and the product is silu(gate) * up @ weight.T: in the GEMV's loads at one row, else the SiLU
+    kernel first."""
+    if gated and x.numel() // x.shape[-1] > FMA_MAX_ROWS:
+        from kiln.ops.triton.activation import silu_and_mul
+
+        x, gated = silu_and_mul(x), False
+    if _kernel_takes(x, weight):
+        return skinny_matmul(x, weight, gated=gated)
+    return F.linear(x, weight)
+
+
+def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel beats cuBLAS at x's rows and this weight: always up to MIN_DOT_ROWS rows,
+    past them what tuning or kiln's table says; under tuning an unknown shape is timed both ways."""
     rows = x.numel() // x.shape[-1]
     if rows <= MIN_DOT_ROWS:
-        return skinny_matmul(x, weight)
+        return True
     N, K = weight.shape
     block_m = padded_rows(rows, "dot")
     key = (x.device, N, K, block_m, x.dtype)
@@ -216,13 +237,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if wins is None:
         known = gemv_configs.known(x.device, N, K, block_m, x.dtype)
         if known is None and gemv_configs.is_tuning():
-            out = skinny_matmul(x, weight)  # autotunes
+            skinny_matmul(x, weight)  # autotunes
             config = chosen_config(rows, N, K, x.dtype)
-            _kernel_wins[key] = _median(lambda: skinny_matmul(x, weight, config=config)) < _median(
-                lambda: F.linear(x, weight))
-            return out
-        wins = _kernel_wins[key] = isinstance(known, tuple)
-    return skinny_matmul(x, weight) if wins else F.linear(x, weight)
+            wins = _median(lambda: skinny_matmul(x, weight, config=config)) < _median(lambda: F.linear(x, weight))
+        else:
+            wins = isinstance(known, tuple)
+        _kernel_wins[key] = wins
+    return wins
 
 
 _KEY = ["N", "K", "BLOCK_M"]
@@ -255,14 +276,19 @@ def padded_rows(rows: int, kernel: str) -> int:
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-                  kernel: str | None = None, config: triton.Config | None = None) -> torch.Tensor:
-    """x @ weight.T for x [..., K] with at most MAX_ROWS rows and weight [N, K] (K contiguous).
+                  kernel: str | None = None, config: triton.Config | None = None,
+                  gated: bool = False) -> torch.Tensor:
+    """x @ weight.T for x [..., K] with at most MAX_ROWS rows and weight [N, K] (K contiguous);
+    gated (the FMA kernel only): x is [..., 2K], [gate | up], and the product is (silu(gate) * up) @ weight.T.
 
     Accumulates in fp32; the result has x's dtype. `out` ([rows, N] or x.shape[:-1] + (N,),
     last dim contiguous) receives it if given. `kernel` ("fma" / "dot") and `config` force a
     kernel and a config instead of the row-count rule and launch_config (tests, benchmarks).
     """
-    K = x.shape[-1]
+    K = x.shape[-1] // 2 if gated else x.shape[-1]
+    if gated and x.shape[-1] != 2 * K:
+        raise ValueError(f"skinny_matmul: a gated x holds [gate | up] halves, so its last dim must be even; "
+                         f"got {x.shape[-1]}")
     if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1:
         raise ValueError(f"skinny_matmul: weight must be [N, {K}] with K contiguous, got {tuple(weight.shape)} "
                          f"strides {weight.stride()}")
@@ -270,7 +296,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
         raise ValueError(f"skinny_matmul: x {x.dtype} on {x.device} and weight {weight.dtype} on {weight.device} "
                          f"must match")
     N = weight.shape[0]
-    rows_view = x.reshape(-1, K)
+    rows_view = x.reshape(-1, x.shape[-1])
     if rows_view.stride(-1) != 1:
         rows_view = rows_view.contiguous()
     M = rows_view.shape[0]
@@ -292,6 +318,9 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
 
     kernel = kernel or choose_kernel(M)
     fma = kernel == "fma"
+    if gated and not fma:
+        raise ValueError(f"skinny_matmul: only the FMA kernel (at most {FMA_MAX_ROWS} row(s) by default) takes a "
+                         f"gated x; run kiln.ops.triton.activation.silu_and_mul first")
     block_m = padded_rows(M, kernel)
     autotuned = fma_kernel if fma else dot_kernel
     if config is None:
@@ -304,7 +333,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     workspace = torch.empty(max_split * M * N if max_split > 1 else 1, dtype=torch.float32, device=x.device)
     args = (rows_view, weight, out_rows, workspace, _split_counters(x.device), M, N, K,
             rows_view.stride(0), weight.stride(0), out_rows.stride(0))
-    extra = {} if fma else {"DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
+    extra = {"GATED": gated} if fma else {"DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
 
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])

@@ -53,16 +53,29 @@ def _tile_start(x_ptr, w_ptr, M, N, K, x_row_stride, w_row_stride,
 
 
 @triton.jit
-def _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K: tl.constexpr):
-    """One BLOCK_K chunk of W's tile (streamed once: evict first) and of x."""
-    row_mask = rows[:, None] < M
+def _silu_mul(gate, up):
+    """silu(gate) * up in x's dtype, rounded where kiln::silu_and_mul's kernel rounds (its twin in
+    kernels/activation.py: a worker loads this module alone, so it cannot import that one)."""
+    dtype = gate.dtype
+    gate, up = gate.to(tl.float32), up.to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype)
+
+
+@triton.jit
+def _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+    """One BLOCK_K chunk of W's tile (streamed once: evict first) and of x. GATED: a row of x is
+    [gate | up], K each, and the chunk is silu(gate) * up (the down projection's input)."""
+    x_mask = rows[:, None] < M
     if EVEN_K:
         w = tl.load(w_ptrs, eviction_policy="evict_first")
-        x = tl.load(x_ptrs, mask=row_mask, other=0.0)
     else:
         k_mask = (k + ks) < K
         w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptrs, mask=row_mask & k_mask[None, :], other=0.0)
+        x_mask = x_mask & k_mask[None, :]
+    x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+    if GATED:
+        x = _silu_mul(x, tl.load(x_ptrs + K, mask=x_mask, other=0.0))
     return w, x
 
 
@@ -70,7 +83,7 @@ def _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K: tl.constexpr):
 def gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
                      x_row_stride, w_row_stride, out_row_stride,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
+                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr):
     pid_n, pid_k, rows, cols, ks, k_start, k_end, w_ptrs, x_ptrs = _tile_start(
         x_ptr, w_ptr, M, N, K, x_row_stride, w_row_stride, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     if BLOCK_M == 1:
@@ -78,7 +91,7 @@ def gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
-        w, x = _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K)
+        w, x = _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K, GATED)
         if BLOCK_M == 1:
             acc += w.to(tl.float32) * x.to(tl.float32)
         else:
@@ -102,7 +115,7 @@ def gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
         x_ptr, w_ptr, M, N, K, x_row_stride, w_row_stride, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y.T's tile
     for k in range(k_start, k_end, BLOCK_K):
-        w, x = _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K)
+        w, x = _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K, False)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
