@@ -2,8 +2,8 @@
 
     python benchmarks/gpu_kernels.py [OUT_DIR]      (default: $OUT, else benchmarks/results)
 
-Writes OUT_DIR/kernels.json and prints a short table. Checks: norm, silu-and-mul and rope
-in bf16 and fp32; the KV write (exact); paged attention in bf16 against an fp32 reference
+Writes OUT_DIR/kernels.json and prints a short table. Checks: norm, silu-and-mul, rope and
+the logits' argmax in bf16 and fp32; the KV write (exact); paged attention in bf16 against an fp32 reference
 on the same inputs, swept over cache block sizes, GQA ratios, head dims and context
 lengths in decode, prefill and mixed batches; and a CUDA-graph replay of write + attention
 with new lengths. Timings (medians): decode attention at Llama-3-8B shape, and each
@@ -29,6 +29,7 @@ from kiln.ops.attention_reference import paged_attention_reference, write_kv_ref
 from kiln.ops.norm import fused_add_rms_norm_native, rms_norm_native
 from kiln.ops.rotary import rope_cos_sin_cache, rotary_native
 from kiln.ops.triton.activation import silu_and_mul
+from kiln.ops.triton.argmax import argmax
 from kiln.ops.triton.attention import choose_kv_splits, paged_attention, write_kv
 from kiln.ops.triton.norm import fused_add_rms_norm, rms_norm
 from kiln.ops.triton.rotary import rotary_embedding
@@ -77,10 +78,14 @@ def check_elementwise() -> list[dict]:
         q_out, k_out = rotary_embedding(positions, q, k, cache, 128)
         q_ref, k_ref = rotary_native(positions, q, k, cache, 128)
         cases["rotary_embedding.q"], cases["rotary_embedding.k"] = (q_out, q_ref), (k_out, k_ref)
+        logits = rand(300, 128256, dtype=dtype)
+        logits[7, [5, 70000]] = logits.max() + 1  # a tie two blocks apart: the first index wins
+        cases["argmax"] = (argmax(logits).float(), logits.argmax(dim=-1).float())
         for name, (actual, expected) in cases.items():
             scaled = ((actual.float() - expected.float()).abs() / expected.float().abs().clamp_min(1)).max().item()
             results.append({"kernel": name, "dtype": str(dtype).removeprefix("torch."), **errors(actual, expected),
-                            "max_scaled_err": scaled, "ok": scaled <= ELEMENTWISE_TOL[dtype]})
+                            "max_scaled_err": scaled,
+                            "ok": torch.equal(actual, expected) if name == "argmax" else scaled <= ELEMENTWISE_TOL[dtype]})
     return results
 
 
@@ -311,6 +316,9 @@ def time_elementwise() -> list[dict]:
             "rotary_embedding": (lambda: rotary_embedding(positions, q, k, cache, 128),
                                  lambda: rotary_native(positions, q, k, cache, 128)),
         }
+        if tokens <= 256:  # the logits of a decode batch
+            logits = torch.randn(tokens, 128256, device=DEVICE)
+            pairs["argmax"] = (lambda: argmax(logits), lambda: logits.argmax(dim=-1))
         for name, (kernel, native) in pairs.items():
             kernel_time, native_time = time_us(kernel), time_us(native)
             results.append({"op": name, "tokens": tokens,

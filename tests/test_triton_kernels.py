@@ -153,6 +153,23 @@ def test_rotary_embedding_on_qkv_views(head_dim, rotary_dim, dtype, poisoned_emp
     assert_close(k_out, k_ref, dtype)
 
 
+@pytest.mark.parametrize("width", [1, 100, 4096, 4097, 50000])
+def test_argmax_is_torchs(width):
+    """Greedy decoding's argmax: torch's first index of the row maximum, with ties inside a
+    block, across blocks and in the last, ragged one; the row counters are left at zero."""
+    from kiln.ops.triton import argmax
+
+    x = randn(5, width)
+    x[1, :] = 0.5  # a row of ties: index 0
+    top = x.max() + 1
+    x[2, [width // 2, width - 1]] = top  # two blocks apart (or one block, for narrow rows)
+    x[3, width - 1] = top  # the ragged last block
+    for _ in range(2):
+        assert torch.equal(argmax.argmax(x), x.argmax(dim=-1))
+        assert not argmax._counters(x.device).any()
+    assert torch.equal(argmax.argmax(x.half()), x.half().argmax(dim=-1))
+
+
 # ---------------------------------------------------------------------------- skinny matmul (GEMV)
 
 # Against x @ w.T in fp32 on the same (rounded) inputs; both sum K=300 products in fp32 in a
@@ -517,6 +534,7 @@ def _compile_all_for_sm90() -> None:
 
     from kiln.ops.triton import gemv
     from kiln.ops.triton.kernels import activation, attention, norm, rotary
+    from kiln.ops.triton.kernels import argmax as argmax_kernels
     from kiln.ops.triton.kernels import gemv as gemv_kernels
 
     def build(kernel, args: dict, constants: dict, num_warps=4, num_stages=3):
@@ -540,6 +558,9 @@ def _compile_all_for_sm90() -> None:
           dict(x_ptr=bf16, residual_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, new_residual_ptr=bf16,
                x_row_stride=i32, residual_row_stride=i32, out_row_stride=i32, hidden_size=i32, eps=f32),
           dict(BLOCK=4096), 16)
+    build(argmax_kernels.argmax_kernel, dict(x_ptr="*fp32", out_ptr="*i64", part_value_ptr="*fp32",
+                                             part_index_ptr="*i32", counter_ptr="*i32", width=i32, x_row_stride=i32),
+          dict(BLOCK=4096, CHUNKS=32), 8)
     build(activation.silu_and_mul_kernel, dict(x_ptr=bf16, out_ptr=bf16, x_row_stride=i32, out_row_stride=i32,
                                                 width=i32), dict(BLOCK=1024))
     build(rotary.rotary_kernel,

@@ -1,0 +1,30 @@
+"""Row-wise argmax as a Triton kernel (the device code; kiln.ops.triton.argmax launches it)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def argmax_kernel(x_ptr, out_ptr, part_value_ptr, part_index_ptr, counter_ptr, width, x_row_stride,
+                  BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    """out[row] = the first index of row's largest value (NaN counts as +inf). A program takes
+    BLOCK columns of a row; the last of a row's CHUNKS programs to finish reduces their partials."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)
+    value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    if CHUNKS == 1:
+        tl.store(out_ptr + row, index.to(tl.int64))
+        return
+    tl.store(part_value_ptr + row * CHUNKS + chunk, value)
+    tl.store(part_index_ptr + row * CHUNKS + chunk, chunk * BLOCK + index)
+    # Release the partial before the arrival; the last arriver's acquire sees every program's (read at L2).
+    tl.debug_barrier()
+    if tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
+        chunks = tl.arange(0, CHUNKS)
+        values = tl.load(part_value_ptr + row * CHUNKS + chunks, cache_modifier=".cg")
+        best = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)[1]
+        tl.store(out_ptr + row, tl.load(part_index_ptr + row * CHUNKS + best, cache_modifier=".cg").to(tl.int64))
+        tl.atomic_xchg(counter_ptr + row, 0, sem="relaxed", scope="gpu")
