@@ -19,6 +19,7 @@ from kiln.compile.triton_precompile import MissingKernels, compile_all, triton_t
 from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
 from kiln.cudagraph import CudagraphChoice, CudagraphDispatcher, ForwardCudagraphs, PackedStep, StepBuffers
 from kiln.engine.sampler import sample, to_device
+from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
 from kiln.engine.timeline import StartupTimeline
@@ -137,6 +138,9 @@ class ModelRunner:
         if "skinny_linear" in self.custom_ops and self.device.type == "cuda":
             with timeline.phase("gemv"):
                 self._warm_gemv()
+        if self.device.type == "cuda":
+            with timeline.phase("sampler"):
+                self._warm_sampler()
         logger.info("%s", self.cudagraphs.dispatcher.describe())
         if self.cudagraphs.dispatcher.captures():
             with timeline.phase("cudagraphs"):
@@ -170,6 +174,13 @@ class ModelRunner:
                 self.model.compute_logits(self.compiled(ids, ids))
         torch.cuda.synchronize()
 
+    def _warm_sampler(self) -> None:
+        """Sample once from logits of the model's width: sampling's Triton argmax compiles (or
+        loads) here, not on the first request. Every batch and sampling mode launches the same
+        kernel (fp32 rows of one width)."""
+        logits = torch.zeros(1, self.model.config.vocab_size, device=self.device)
+        sample(logits, [SamplingParams(temperature=0.0)], [None])
+
     def _precompile_kernels(self, missing: MissingKernels) -> None:
         """Run what start-up runs next (each graph's warm-up, the GEMV warm-up) with missing
         kernels recorded instead of compiled, then compile those (and any the compile phase
@@ -180,6 +191,7 @@ class ModelRunner:
         runs = [lambda: self.cudagraphs.warm_up(self.kv_caches, todo[-1:])] if todo else []
         if "skinny_linear" in self.custom_ops:
             runs.append(self._warm_gemv)
+        runs.append(self._warm_sampler)
         runs.append(lambda: self.cudagraphs.warm_up(self.kv_caches, todo[:-1]))
         for i, run in enumerate(runs):
             if i == 1 and not missing.launches:
