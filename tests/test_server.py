@@ -79,6 +79,23 @@ def test_completion_with_text_token_ids_and_stop(client):
     assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens == 4
 
 
+def test_return_token_ids_streams_every_step_tokens_and_all(client):
+    """vLLM's return_token_ids: the choice carries the prompt's and the output's ids; a stream sends
+    the prompt's in its first chunk and each chunk's new tokens, which add up to the whole answer."""
+    prompt = [504, 3458, 282, 4649, 314]
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    assert whole.prompt_token_ids == prompt and len(whole.token_ids) == 8
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    with_tokens = [c for c in chunks if c.finish_reason is None]
+    assert with_tokens[0].prompt_token_ids == prompt and all(c.prompt_token_ids is None for c in with_tokens[1:])
+    assert [t for c in with_tokens for t in c.token_ids] == whole.token_ids
+    assert "".join(c.text for c in chunks) == whole.text
+    with pytest.raises(openai.BadRequestError, match="return_token_ids"):
+        _chat(client, "Hi", max_tokens=2, extra_body={"return_token_ids": True})
+
+
 def test_chat_stream_equals_non_stream(client):
     whole = _chat(client, "Name three colors.", max_tokens=24, temperature=0)
     chunks = list(_chat(client, "Name three colors.", max_tokens=24, temperature=0, stream=True,

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
 
 
 class _Request(BaseModel):
@@ -70,6 +70,9 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
+    # vLLM's extension: the choice also carries the prompt's and the output's token ids (a stream
+    # sends the prompt's in its first chunk and each chunk's new tokens, text or not).
+    return_token_ids: bool = False
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -116,9 +119,12 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict] | None = None
     response_format: dict | None = None
 
+    return_token_ids: bool = False  # vLLM's extension; kiln has it on /v1/completions only
+
     NEUTRAL: ClassVar[dict[str, tuple]] = {**_SamplingFields.NEUTRAL, "logprobs": (False,),
                                            "top_logprobs": (None, 0), "tools": (None, []),
-                                           "response_format": (None, {"type": "text"})}
+                                           "response_format": (None, {"type": "text"}),
+                                           "return_token_ids": (False,)}
 
 
 # ---- responses ----
@@ -147,9 +153,15 @@ class CompletionChoice(BaseModel):
     logprobs: None = None
 
 
+class CompletionChoiceWithTokens(CompletionChoice):
+    """A choice of a request with return_token_ids (a stream's prompt ids: its first chunk only)."""
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int]
+
+
 class CompletionResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
+    choices: list[SerializeAsAny[CompletionChoice]]  # a CompletionChoiceWithTokens keeps its ids
     usage: Usage | None = None
 
 

@@ -18,7 +18,8 @@ from kiln.server.errors import APIError, error_body
 from kiln.server.metrics import RequestTimer, ServerMetrics
 from kiln.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                   ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
-                                  CompletionRequest, CompletionResponse, Delta, Usage, new_id)
+                                  CompletionChoiceWithTokens, CompletionRequest, CompletionResponse, Delta, Usage,
+                                  new_id)
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "stop", "seed")
 
@@ -93,7 +94,8 @@ class OpenAIServing:
             raise APIError(503, str(e), code="not_ready") from None
         if req.stream:
             stream = _ChatStream if endpoint == "chat" else _CompletionStream
-            events = stream(request_id, self.model_name, req.include_usage, params, len(prompt_ids))
+            events = stream(request_id, self.model_name, req.include_usage, params, prompt_ids,
+                            getattr(req, "return_token_ids", False))
             return StreamingResponse(events.run(outputs, timer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         final = await _last_output(outputs, raw, timer)
@@ -103,6 +105,10 @@ class OpenAIServing:
         if endpoint == "chat":
             choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=final.finish_reason)
             body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
+        elif req.return_token_ids:
+            choice = CompletionChoiceWithTokens(text=final.text, finish_reason=final.finish_reason,
+                                                prompt_token_ids=prompt_ids, token_ids=list(final.token_ids))
+            body = CompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
         else:
             choice = CompletionChoice(text=final.text, finish_reason=final.finish_reason)
             body = CompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
@@ -147,15 +153,19 @@ class _SSEStream:
     """Server-sent events of one request: text deltas, the finish reason, usage, then [DONE]."""
 
     def __init__(self, request_id: str, model: str, include_usage: bool, params: SamplingParams,
-                 num_prompt_tokens: int):
+                 prompt_ids: list[int], return_token_ids: bool = False):
         self.request_id, self.model, self.include_usage = request_id, model, include_usage
-        self.num_prompt_tokens = num_prompt_tokens
+        self.num_prompt_tokens = len(prompt_ids)
+        # With return_token_ids every step's tokens go out, text or not (a model without a tokenizer
+        # has none); the prompt's ids ride on the first chunk.
+        self.return_token_ids = return_token_ids
+        self.unsent_prompt_ids = prompt_ids if return_token_ids else None
         # Text that may be the start of a stop string is held back until it is known not to
         # be one: the engine cuts a stop string out of the text only once it is complete.
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
 
     async def run(self, outputs: AsyncIterator[RequestOutput], timer: RequestTimer) -> AsyncIterator[str]:
-        sent, final = 0, None
+        sent, sent_tokens, final = 0, 0, None
         try:
             first = self.first_chunk()
             if first is not None:
@@ -164,9 +174,10 @@ class _SSEStream:
                 async for out in outputs:
                     timer.output(out)
                     end = len(out.text) if out.finished else max(sent, len(out.text) - self.holdback)
-                    if end > sent:
-                        yield _event(self.text_chunk(out.text[sent:end]))
-                        sent = end
+                    new_tokens = self.return_token_ids and len(out.token_ids) > sent_tokens
+                    if end > sent or new_tokens:
+                        yield _event(self.text_chunk(out.text[sent:end], list(out.token_ids[sent_tokens:])))
+                        sent, sent_tokens = max(sent, end), len(out.token_ids)
                     final = out
             yield _event(self.finish_chunk(final.finish_reason))
             if self.include_usage:
@@ -183,7 +194,8 @@ class _SSEStream:
     def first_chunk(self):
         raise NotImplementedError
 
-    def text_chunk(self, text: str):
+    def text_chunk(self, text: str, token_ids: list[int]):
+        """A chunk of new text; `token_ids`, the tokens since the last chunk, go out with return_token_ids."""
         raise NotImplementedError
 
     def finish_chunk(self, reason: str):
@@ -200,7 +212,7 @@ class _ChatStream(_SSEStream):
     def first_chunk(self):
         return self._chunk([ChatChunkChoice(delta=Delta(role="assistant", content=""))])
 
-    def text_chunk(self, text):
+    def text_chunk(self, text, token_ids):
         return self._chunk([ChatChunkChoice(delta=Delta(content=text))])
 
     def finish_chunk(self, reason):
@@ -217,8 +229,11 @@ class _CompletionStream(_SSEStream):
     def first_chunk(self):
         return None
 
-    def text_chunk(self, text):
-        return self._chunk([CompletionChoice(text=text)])
+    def text_chunk(self, text, token_ids):
+        if not self.return_token_ids:
+            return self._chunk([CompletionChoice(text=text)])
+        prompt_ids, self.unsent_prompt_ids = self.unsent_prompt_ids, None
+        return self._chunk([CompletionChoiceWithTokens(text=text, token_ids=token_ids, prompt_token_ids=prompt_ids)])
 
     def finish_chunk(self, reason):
         return self._chunk([CompletionChoice(text="", finish_reason=reason)])
