@@ -22,9 +22,9 @@ run() {
 # Parts, in the order they run; name some to run only those (a device call lasts at most
 # 10 minutes, and all of them together take longer: split them over two calls, e.g.
 # `bash benchmarks/gpu_suite.sh kernels graphs tiles` then `... engine cache bench`).
-# cache-nopyc, fresh, decode, reference, throughput and tp (not in the default list): the cache part without
-# cached bytecode, a fresh machine's start, kiln's decode beside the stock loop, that loop alone, offline
-# throughput, and the tensor-parallel comparison (2 GPUs).
+# cache-nopyc, fresh, decode, reference, throughput, serving and tp (not in the default list): the cache part
+# without cached bytecode, a fresh machine's start, kiln's decode beside the stock loop, that loop alone, offline
+# throughput, online serving, and the tensor-parallel comparison (2 GPUs).
 parts=${*:-kernels gemv graphs tiles engine dynamo cache bench}
 for part in $parts; do
     case $part in
@@ -51,10 +51,17 @@ for part in $parts; do
         reference) run python benchmarks/reference_decode.py --batches 1 8 64 256 --out "$OUT" ;;
         # Offline throughput: 1000 random prompts, 512 tokens in, 128 out, default and -O2, beside the floor.
         throughput) run python benchmarks/throughput.py --model llama-3-8b --device cuda --modes default O2 --out "$OUT" ;;
+        # kiln serve under Poisson arrivals (2, 8, 32 requests/s; 512 in, 128 out): TTFT, TPOT, output tok/s.
+        # The image has no FastAPI: carry .whl (bash benchmarks/gpu_wheels.sh makes it).
+        serving) if ! python -c "import fastapi" 2>/dev/null; then
+                     python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH || status=1
+                 fi
+                 run python benchmarks/serving.py --model llama-3-8b --device cuda --rates 2 8 32 --out "$OUT" ;;
         bench) run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT" ;;
         # Needs 2 GPUs (nvidia-h200-x2): TP=1 against TP=2, with and without sequence parallelism.
         tp) run python benchmarks/tp_decode.py --out "$OUT" --modes graphs O2 O2+SP --batches 1 64 --timeout 150 ;;
-        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large engine dynamo cache cache-nopyc fresh decode reference throughput bench tp" >&2; exit 2 ;;
+        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large engine dynamo cache cache-nopyc fresh decode reference throughput serving bench tp" >&2; exit 2 ;;
     esac
 done
 exit $status
