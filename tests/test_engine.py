@@ -1,6 +1,7 @@
 """The engine end to end on the embedded SmolLM2: batching, preemption, stops, aborts."""
 
 import pytest
+import torch
 
 from kiln import LLM, SamplingParams
 
@@ -33,6 +34,16 @@ def test_batched_equals_alone_with_preemption_and_chunked_prefill(alone):
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == alone
     assert small.engine.scheduler.block_manager.num_free_blocks == 24
+
+
+def test_start_up_warm_up_request_touches_no_kv_block(llm, alone):
+    """The warm-up a CUDA start runs before serving (a prefill with the KV cache in place, then a
+    sample): it writes nothing into the cache, and later requests answer as before."""
+    runner = llm.engine.runner
+    before = {name: cache.clone() for name, cache in runner.kv_caches.items()}
+    runner._warm_up_requests()
+    assert all(torch.equal(before[name], cache) for name, cache in runner.kv_caches.items())
+    assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == alone[0]
 
 
 def test_stop_string_cuts_text(llm):

@@ -139,8 +139,8 @@ class ModelRunner:
             with timeline.phase("gemv"):
                 self._warm_gemv()
         if self.device.type == "cuda":
-            with timeline.phase("sampler"):
-                self._warm_sampler()
+            with timeline.phase("warm_up"):
+                self._warm_up_requests()
         logger.info("%s", self.cudagraphs.dispatcher.describe())
         if self.cudagraphs.dispatcher.captures():
             with timeline.phase("cudagraphs"):
@@ -174,12 +174,21 @@ class ModelRunner:
                 self.model.compute_logits(self.compiled(ids, ids))
         torch.cuda.synchronize()
 
-    def _warm_sampler(self) -> None:
-        """Sample once from logits of the model's width: sampling's Triton argmax compiles (or
-        loads) here, not on the first request. Every batch and sampling mode launches the same
-        kernel (fp32 rows of one width)."""
-        logits = torch.zeros(1, self.model.config.vocab_size, device=self.device)
-        sample(logits, [SamplingParams(temperature=0.0)], [None])
+    def _warm_up_requests(self) -> None:
+        """What a request launches outside the CUDA graphs, once before serving, so that its kernels
+        compile (or load) here and not on the first request: a small prefill through the forward
+        with the KV cache in place (attention's prefill tiles; its cache writes are skipped, slot -1,
+        and it reads block 0, whatever that holds) and a greedy sample (the Triton argmax, the same
+        kernel for every batch and sampling mode)."""
+        n = min(32, self.config.max_num_batched_tokens)
+        blocks = torch.zeros(1, -(-n // self.block_size), dtype=torch.int32, device=self.device)
+        meta = dataclasses.replace(warm_up_metadata(n, self.device, length=n), block_tables=blocks)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        with torch.inference_mode(), set_forward_context(meta, self.kv_caches):
+            hidden = self.compiled(ids, torch.arange(n, device=self.device))
+            sample(self.model.compute_logits(hidden[-1:]), [SamplingParams(temperature=0.0)], [None])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def _precompile_kernels(self, missing: MissingKernels) -> None:
         """Run what start-up runs next (each graph's warm-up, the GEMV warm-up) with missing
@@ -191,7 +200,7 @@ class ModelRunner:
         runs = [lambda: self.cudagraphs.warm_up(self.kv_caches, todo[-1:])] if todo else []
         if "skinny_linear" in self.custom_ops:
             runs.append(self._warm_gemv)
-        runs.append(self._warm_sampler)
+        runs.append(self._warm_up_requests)
         runs.append(lambda: self.cudagraphs.warm_up(self.kv_caches, todo[:-1]))
         for i, run in enumerate(runs):
             if i == 1 and not missing.launches:
