@@ -57,7 +57,7 @@ for part in $parts; do
                      python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
                          --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH || status=1
                  fi
-                 run python benchmarks/serving.py --model llama-3-8b --device cuda --rates 2 8 32 --out "$OUT" ;;
+                 run python benchmarks/serving.py --model llama-3-8b --device cuda --rates 2 8 32 --num-prompts ${SERVING_PROMPTS:-200} --out "$OUT" ;;
         bench) run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT" ;;
         # Needs 2 GPUs (nvidia-h200-x2): TP=1 against TP=2, with and without sequence parallelism.
         tp) run python benchmarks/tp_decode.py --out "$OUT" --modes graphs O2 O2+SP --batches 1 64 --timeout 150 ;;
