@@ -1,0 +1,61 @@
+"""The GPU serving benchmarks, small on the CPU: they run end to end and write what the issue's
+must-show reads (a GPU call wasted on a broken script costs a session's minutes)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.models.presets import PRESETS
+from kiln.tools.bench import Floor
+from kiln.tools.traffic import decode_weight_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _run(script: str, out: Path, *args: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--out", str(out), *args],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (path,) = out.glob("*.json")
+    return json.loads(path.read_text())
+
+
+def test_throughput_runs_every_prompt_to_its_length(tmp_path):
+    report = _run("throughput.py", tmp_path, "--model", "tiny-llama", "--num-prompts", "6", "--input-len", "20",
+                  "--output-len", "5", "--max-num-seqs", "4", "--modes", "default", "O2")
+    assert [m["mode"] for m in report["modes"]] == ["default", "O2"]
+    for mode in report["modes"]:
+        assert mode["total_tokens_per_s"] == pytest.approx(6 * 25 / mode["elapsed_s"])
+        assert 0 < mode["of_floor"]
+    assert report["floor"]["decode_steps_at_least"] == 2 * 5  # ceil(6 / 4) waves of 5 steps
+
+
+def test_throughput_floor_counts_the_work():
+    import throughput
+
+    cfg = PRESETS["llama-3-8b"]
+    floor = Floor(copy_bytes_per_s=4e12, matmul_flops_per_s=800e12, weight_bytes=decode_weight_bytes(cfg, 2))
+
+    class Args:
+        num_prompts, input_len, output_len, max_num_seqs = 1000, 512, 128, 256
+
+    bound = throughput.workload_floor(cfg, 2, floor, Args)
+    # ~2 x 7.5 G parameters x 640k tokens of matmuls, plus causal attention: compute-bound.
+    assert bound["bound"] == "compute" and 9.6e15 < bound["flops"] < 9.8e15
+    assert bound["decode_steps_at_least"] == 4 * 128
+
+
+def test_serving_streams_token_ids_from_a_model_without_a_tokenizer(tmp_path):
+    # tiny-llama has no tokenizer: only return_token_ids' chunks carry its tokens.
+    report = _run("serving.py", tmp_path, "--model", "tiny-llama", "--rates", "50", "--num-prompts", "4",
+                  "--input-len", "12", "--output-len", "4")
+    (rate,) = report["rates"]
+    assert (rate["completed"], rate["lost"]) == (4, 0)
+    assert rate["ttft_s"]["p50"] > 0 and rate["tpot_s"]["p50"] > 0
+    assert report["floor"]["ttft_s"] > 0 and report["floor"]["tpot_s"] > 0
