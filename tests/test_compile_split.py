@@ -1,5 +1,7 @@
 """Split points and the split scan: L layers give L opaque regions and L + 1 pieces."""
 
+import operator
+
 import pytest
 import torch
 from torch import fx
@@ -39,6 +41,23 @@ def test_scan_matches_packets_and_overloads_and_merges_consecutive_split_ops():
     assert [ids[n] for n in nodes] == [0, 1, 1, 2]
     assert opaque == {1}
     assert is_split_node(nodes[1], names) and is_split_node(nodes[2], names)
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_the_items_of_a_split_ops_tuple_stay_in_its_region(merge):
+    # kiln::rotary_kv_cache_write returns (q, k, written): a piece between it and attention
+    # would take the tuple as an input, which no piece can be compiled for.
+    graph = fx.Graph()
+    x, pos, cache = graph.placeholder("x"), graph.placeholder("pos"), graph.placeholder("cache")
+    a = graph.call_function(torch.ops.aten.relu.default, (x,))
+    rotated = graph.call_function(torch.ops.kiln.rotary_kv_cache_write.default, (pos, a, a, a, cache, "l0"))
+    q, k, w = (graph.call_function(operator.getitem, (rotated, i)) for i in range(3))
+    graph.call_function(torch.ops.kiln.attention.default, (q, k, a, w, a, "l0", 1.0))
+    graph.output(graph.call_function(torch.ops.aten.relu.default, (a,)))
+    ids, opaque = subgraph_ids(graph, {op.name for op in effective_split_ops()}, merge)
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    assert [ids[n] for n in nodes] == ([0, 1, 1, 1, 1, 1, 2] if merge else [0, 1, 1, 1, 1, 2, 3])
+    assert opaque == ({1} if merge else {1, 2})
 
 
 @pytest.mark.parametrize("num_layers", [1, 2, 4, 30])

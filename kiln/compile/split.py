@@ -75,6 +75,11 @@ def is_split_node(node: fx.Node, names: set[str]) -> bool:
     return node.op == "call_function" and op_name(node.target) in names
 
 
+def _unpacks_split_result(node: fx.Node, names: set[str]) -> bool:
+    return (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node)
+            and is_split_node(node.args[0], names))
+
+
 @dataclass
 class SplitGraph:
     module: fx.GraphModule  # calls submod_<i> in order
@@ -91,6 +96,11 @@ def subgraph_ids(graph: fx.Graph, names: set[str], merge: bool = True) -> tuple[
     current, in_region = 0, None
     for node in graph.nodes:
         if node.op in ("placeholder", "output"):
+            continue
+        if in_region and _unpacks_split_result(node, names):
+            # The items of a split op's tuple stay in its region: a piece would take the tuple
+            # itself as an input, which it cannot be compiled for.
+            ids[node] = current
             continue
         split = is_split_node(node, names)
         if in_region is not None and (split != in_region or (split and not merge)):
