@@ -2,8 +2,8 @@
 
     python benchmarks/gpu_kernels.py [OUT_DIR]      (default: $OUT, else benchmarks/results)
 
-Writes OUT_DIR/kernels.json and prints a short table. Checks: norm, silu-and-mul, rope and
-the logits' argmax in bf16 and fp32; the KV write (exact); paged attention in bf16 against an fp32 reference
+Writes OUT_DIR/kernels.json and prints a short table. Checks: norm, silu-and-mul, rope (alone
+and writing the KV cache), the logits' argmax in bf16 and fp32; the KV write (exact); paged attention in bf16 against an fp32 reference
 on the same inputs, swept over cache block sizes, GQA ratios, head dims and context
 lengths in decode, prefill and mixed batches; and a CUDA-graph replay of write + attention
 with new lengths. Timings (medians): decode attention at Llama-3-8B shape, and each
@@ -41,6 +41,7 @@ BLOCK_SIZES = [16, 32, 64]
 HEAD_SHAPES = [(2, 2, 64), (8, 2, 64), (16, 2, 64), (6, 2, 64), (2, 2, 128), (8, 2, 128), (16, 2, 128)]
 # Pass marks (bf16 inputs, fp32 reference): attention rounds probabilities to bf16 for P @ V.
 ATTENTION_MAX_REL_ERR = 1e-2
+EXACT = ("argmax", "rotary_kv_write.cache")  # checks that must match bit for bit
 ELEMENTWISE_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}  # max |err| / max(1, |ref|), per element
 SWEEP_BUDGET_S = 75.0  # the sweep stops here (recording what it skipped) so timings still run
 
@@ -78,6 +79,14 @@ def check_elementwise() -> list[dict]:
         q_out, k_out = rotary_embedding(positions, q, k, cache, 128)
         q_ref, k_ref = rotary_native(positions, q, k, cache, 128)
         cases["rotary_embedding.q"], cases["rotary_embedding.k"] = (q_out, q_ref), (k_out, k_ref)
+        # The rotation with the KV write in the same launch: the cache must be what write_kv leaves.
+        v = qkv[:, 40 * 128:]
+        fused_cache = rand(2, 64, 16, 8, 128, dtype=dtype)
+        apart_cache = fused_cache.clone()
+        slots = torch.randperm(64 * 16, device=DEVICE)[:300]
+        rotary_embedding(positions, q, k, cache, 128, v, fused_cache, slots)
+        write_kv(k_out.view(300, 8, 128), v.reshape(300, 8, 128), apart_cache, slots)
+        cases["rotary_kv_write.cache"] = (fused_cache, apart_cache)
         logits = rand(300, 128256, dtype=dtype)
         logits[7, [5, 70000]] = logits.max() + 1  # a tie two blocks apart: the first index wins
         cases["argmax"] = (argmax(logits).float(), logits.argmax(dim=-1).float())
@@ -85,7 +94,7 @@ def check_elementwise() -> list[dict]:
             scaled = ((actual.float() - expected.float()).abs() / expected.float().abs().clamp_min(1)).max().item()
             results.append({"kernel": name, "dtype": str(dtype).removeprefix("torch."), **errors(actual, expected),
                             "max_scaled_err": scaled,
-                            "ok": torch.equal(actual, expected) if name == "argmax" else scaled <= ELEMENTWISE_TOL[dtype]})
+                            "ok": torch.equal(actual, expected) if name in EXACT else scaled <= ELEMENTWISE_TOL[dtype]})
     return results
 
 
@@ -316,6 +325,17 @@ def time_elementwise() -> list[dict]:
             "rotary_embedding": (lambda: rotary_embedding(positions, q, k, cache, 128),
                                  lambda: rotary_native(positions, q, k, cache, 128)),
         }
+        kv_cache = torch.randn(2, 2048, 16, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+        slots = torch.arange(tokens, device=DEVICE)
+        v = qkv[:, 40 * 128:]
+
+        def rotary_then_write():
+            _, k_rot = rotary_embedding(positions, q, k, cache, 128)
+            write_kv(k_rot.view(tokens, 8, 128), v.view(tokens, 8, 128), kv_cache, slots)
+
+        # "native" here is the pair of kernels the fused launch replaces.
+        pairs["rotary+kv_write"] = (lambda: rotary_embedding(positions, q, k, cache, 128, v, kv_cache, slots),
+                                    rotary_then_write)
         if tokens <= 256:  # the logits of a decode batch
             logits = torch.randn(tokens, 128256, device=DEVICE)
             pairs["argmax"] = (lambda: argmax(logits), lambda: logits.argmax(dim=-1))

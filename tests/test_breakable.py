@@ -16,7 +16,7 @@ from kiln.forward_context import set_forward_context, warm_up_metadata
 from kiln.models import build_model
 from kiln.models.presets import PRESETS
 
-SPLIT_OPS = {"kiln::kv_cache_write", "kiln::attention"}
+SPLIT_OPS = {"kiln::kv_cache_write", "kiln::rotary_kv_cache_write", "kiln::attention"}
 
 
 class RecordingPool:
@@ -48,10 +48,11 @@ def test_segments_end_at_each_attention_and_split_ops_are_recorded():
     assert kinds == ["segment", "split", "split"] * cfg.num_layers + ["segment"]
     assert pool.events == ["begin", "end"] * (cfg.num_layers + 1)
     calls = [s for s in graph.steps if isinstance(s, SplitCall)]
-    assert [c.func._schema.name for c in calls] == ["kiln::kv_cache_write", "kiln::attention"] * cfg.num_layers
+    # Every kernel on: the KV write is the one that rotates q and k too.
+    assert [c.func._schema.name for c in calls] == ["kiln::rotary_kv_cache_write", "kiln::attention"] * cfg.num_layers
     # Attention's dummy input is the KV write's own output, kept alive by the graph.
     for write, attend in zip(calls[::2], calls[1::2]):
-        assert attend.args[3] is write.outs[0]
+        assert attend.args[3] is write.outs[2]
 
 
 def test_debug_replay_checks_input_addresses():

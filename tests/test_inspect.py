@@ -92,7 +92,8 @@ def test_with_the_cache_off_the_split_graph_is_written_for_the_run(monkeypatch):
     report = json.loads(json.dumps(inspect_model(config, compile_missing=False)))  # plain JSON all through
     assert report["run"]["how"] == "captured" and report["run"]["stats"]["inductor_compiles"] == 0
     assert report["cache"]["off"] and report["cache"]["entry"] is None
-    assert [op["name"] for op in report["split_ops"]] == ["kiln::kv_cache_write", "kiln::attention"]
+    assert [op["name"] for op in report["split_ops"]] == ["kiln::kv_cache_write", "kiln::rotary_kv_cache_write",
+                                                          "kiln::attention"]
     graph = Path(report["split_graph"]["path"])
     assert report["split_graph"]["where"] == "written for this run" and "class SplitGraph" in graph.read_text()
     graph.unlink()

@@ -33,6 +33,7 @@ def _cases():
         "rotary_embedding": (ops.rotary_embedding, (torch.arange(T), _rand(T, HEADS * HEAD_DIM),
                                                     _rand(T, KV_HEADS * HEAD_DIM), cache, HEAD_DIM)),
         "kv_cache_write": (ops.kv_cache_write, (k, v, "layer0")),
+        "rotary_kv_cache_write": (ops.rotary_kv_cache_write, (torch.arange(T), q, k, v, cache, "layer0")),
         "attention": (ops.attention, (q, k, v, torch.empty(0), torch.empty_like(q), "layer0", HEAD_DIM**-0.5)),
         # On the one-process group (no torch.distributed); tests/test_collectives.py runs them on two.
         "all_reduce": (ops.all_reduce, (_rand(T, HIDDEN), "tp")),
@@ -62,7 +63,7 @@ def test_opcheck(name):
     torch.library.opcheck(op, args)
 
 
-@pytest.mark.parametrize("name", ["kv_cache_write", "attention"])
+@pytest.mark.parametrize("name", ["kv_cache_write", "rotary_kv_cache_write", "attention"])
 def test_opcheck_with_a_paged_kv_cache(name):
     op, args = _cases()[name]
     with _paged_context():

@@ -24,7 +24,8 @@ def test_partition_mode_tokens_equal_eager():
     assert compiled.describe().endswith("splitting inductor_partition, passes fuse_add_rms_norm, reinplace")
     settings = compiled.backend.inductor_config
     assert settings["graph_partition"] is True
-    assert settings["custom_should_partition_ops"] == ["kiln::attention", "kiln::kv_cache_write"]
+    assert settings["custom_should_partition_ops"] == ["kiln::attention", "kiln::kv_cache_write",
+                                                      "kiln::rotary_kv_cache_write"]
 
 
 def test_the_cuda_graph_hook_over_partitions_exists():

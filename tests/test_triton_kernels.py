@@ -170,6 +170,29 @@ def test_argmax_is_torchs(width):
     assert torch.equal(argmax.argmax(x.half()), x.half().argmax(dim=-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_writes_the_kv_cache_as_rotary_then_write_kv(dtype, poisoned_empty):
+    """One launch rotates q and k and writes the rotated k and v at their slots: the same q and k as
+    the rotary kernel alone, and the same cache as write_kv after it, bit for bit; slot -1 and
+    tokens past the slot mapping (CUDA-graph padding) write nothing."""
+    num_tokens, num_heads, num_kv_heads, head_dim, block_size = 6, 4, 2, 64, 4
+    cache = rope_cos_sin_cache(head_dim, 256, 10000.0, None, device=DEVICE)
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    positions = torch.randint(0, 256, (num_tokens,), device=DEVICE)
+    slots = torch.tensor([5, 0, -1, 9, 2], device=DEVICE)  # the sixth token has no slot entry
+    kv_cache = randn(2, 4, block_size, num_kv_heads, head_dim, dtype=dtype)
+    expected_cache = kv_cache.clone()
+    q_ref, k_ref = rotary_embedding(positions, q, k, cache, head_dim)
+    write_kv(k_ref.view(num_tokens, num_kv_heads, head_dim), v.view(num_tokens, num_kv_heads, head_dim),
+             expected_cache, slots)
+    q_out, k_out = rotary_embedding(positions, q, k, cache, head_dim, v, kv_cache, slots)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    assert torch.equal(kv_cache, expected_cache)
+    with pytest.raises(ValueError, match="value must be like k"):
+        rotary_embedding(positions, q, k, cache, head_dim, v[:, :head_dim], kv_cache, slots)
+
+
 # ---------------------------------------------------------------------------- skinny matmul (GEMV)
 
 # Against x @ w.T in fp32 on the same (rounded) inputs; both sum K=300 products in fp32 in a
@@ -566,10 +589,14 @@ def _compile_all_for_sm90() -> None:
           dict(BLOCK=4096, CHUNKS=32), 8)
     build(activation.silu_and_mul_kernel, dict(x_ptr=bf16, out_ptr=bf16, x_row_stride=i32, out_row_stride=i32,
                                                 width=i32), dict(BLOCK=1024))
-    build(rotary.rotary_kernel,
-          dict(positions_ptr="*i64", q_ptr=bf16, k_ptr=bf16, cache_ptr="*fp32", q_out_ptr=bf16, k_out_ptr=bf16,
-               q_token_stride=i32, k_token_stride=i32, cache_row_stride=i32, num_q_heads=i32, num_kv_heads=i32),
-          dict(HEAD_DIM=128, ROTARY_DIM=128, BLOCK_DIM=128, BLOCK_Q_HEADS=32, BLOCK_KV_HEADS=8))
+    for write_kv in (False, True):
+        build(rotary.rotary_kernel,
+              dict(positions_ptr="*i64", q_ptr=bf16, k_ptr=bf16, cache_ptr="*fp32", q_out_ptr=bf16, k_out_ptr=bf16,
+                   q_token_stride=i32, k_token_stride=i32, cache_row_stride=i32, num_q_heads=i32, num_kv_heads=i32,
+                   v_ptr=bf16, key_cache_ptr=bf16, value_cache_ptr=bf16, slot_mapping_ptr="*i64",
+                   v_token_stride=i32, cache_block_stride=i32, cache_slot_stride=i32, cache_head_stride=i32,
+                   block_size=i32, num_slots=i32),
+              dict(HEAD_DIM=128, ROTARY_DIM=128, BLOCK_DIM=128, BLOCK_Q_HEADS=32, BLOCK_KV_HEADS=8, WRITE_KV=write_kv))
     build(attention.write_kv_kernel,
           dict(key_ptr=bf16, value_ptr=bf16, key_cache_ptr=bf16, value_cache_ptr=bf16, slot_mapping_ptr="*i64",
                key_token_stride=i32, key_head_stride=i32, value_token_stride=i32, value_head_stride=i32,

@@ -63,6 +63,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions, x):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.rotary_emb.uses_kernel:  # the rotary kernel rotates inside the KV write's launch
+            return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb.cos_sin_cache))
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 

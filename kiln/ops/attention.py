@@ -8,6 +8,10 @@ kiln.compile.split) and runs them eagerly between compiled pieces.
 Why two ops: the write must happen before attention reads the cache. Attention takes the
 write's (empty) result as an input, so the data dependency, not op order, keeps them
 together, and no graph pass can move one without the other.
+
+Where the rotary kernel is on (custom_ops), the write takes the rotation along:
+kiln::rotary_kv_cache_write rotates q and k and writes k and v in one launch, and returns the
+rotated q and k with its (empty) result; one launch fewer per layer than rotary + write.
 """
 
 from __future__ import annotations
@@ -22,15 +26,15 @@ from kiln.ops.attention_reference import (
     paged_attention_reference,
     write_kv_reference,
 )
+from kiln.ops.rotary import rotary_native
 
 
 @split_op(reason="writes the paged KV cache from the forward context")
 @torch.library.custom_op("kiln::kv_cache_write", mutates_args=())
 def kv_cache_write(key: torch.Tensor, value: torch.Tensor, layer_name: str) -> torch.Tensor:
-    ctx = get_forward_context()
-    if ctx is not None and ctx.attn_metadata is not None and layer_name in ctx.kv_caches:
-        kv_cache = ctx.kv_caches[layer_name]
-        slot_mapping = ctx.attn_metadata.slot_mapping
+    cache = _layer_cache(layer_name)
+    if cache is not None:
+        kv_cache, slot_mapping = cache
         if kv_cache.is_cuda:
             from kiln.ops.triton.attention import write_kv
 
@@ -43,6 +47,41 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, layer_name: str) -> t
 @kv_cache_write.register_fake
 def _(key, value, layer_name):
     return key.new_empty(0)
+
+
+def _layer_cache(layer_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """This layer's KV cache and the step's slot mapping, if the forward context has them."""
+    ctx = get_forward_context()
+    if ctx is not None and ctx.attn_metadata is not None and layer_name in ctx.kv_caches:
+        return ctx.kv_caches[layer_name], ctx.attn_metadata.slot_mapping
+    return None
+
+
+@split_op(reason="rotates q and k, then writes k and v into the paged KV cache from the forward context")
+@torch.library.custom_op("kiln::rotary_kv_cache_write", mutates_args=())
+def rotary_kv_cache_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cos_sin_cache: torch.Tensor,
+                          layer_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k and v [T, Hkv, D] -> rotated q and k (same shapes), and the write's (empty) result."""
+    cache = _layer_cache(layer_name)
+    shape_q, shape_k, head_dim = q.shape, k.shape, q.shape[-1]
+    q2, k2, v2 = q.flatten(1), k.flatten(1), v.flatten(1)  # views: the heads of a token are contiguous
+    if q.is_cuda:
+        from kiln.ops.triton.rotary import rotary_embedding
+
+        q2, k2 = rotary_embedding(positions, q2, k2, cos_sin_cache, head_dim, *((v2, *cache) if cache else ()))
+        return q2.view(shape_q), k2.view(shape_k), q.new_empty(0)
+    q2, k2 = rotary_native(positions, q2, k2, cos_sin_cache, head_dim)
+    q, k = q2.view(shape_q), k2.view(shape_k)
+    if cache is not None:
+        write_kv_reference(k, v, *cache)
+    return q, k, q.new_empty(0)
+
+
+@rotary_kv_cache_write.register_fake
+def _(positions, q, k, v, cos_sin_cache, layer_name):
+    torch._check(positions.shape[0] == q.shape[0])  # as kiln::rotary_embedding's fake says
+    return torch.empty_like(q), torch.empty_like(k), q.new_empty(0)
 
 
 @split_op(reason="attention over the paged KV cache; metadata from the forward context")
@@ -78,11 +117,18 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.layer_name = layer_name
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
+                cos_sin_cache: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq * D], k and v [T, Hkv * D]; with positions and a rotary cos_sin_cache, q and k
+        arrive unrotated and the KV write rotates them (kiln::rotary_kv_cache_write)."""
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        # Everything but the two ops first: a breakable graph's segment ends at each of them.
         out = torch.empty_like(q)
-        written = kv_cache_write(k, v, self.layer_name)
+        if positions is None:
+            written = kv_cache_write(k, v, self.layer_name)
+        else:
+            q, k, written = rotary_kv_cache_write(positions, q, k, v, cos_sin_cache, self.layer_name)
         attention(q, k, v, written, out, self.layer_name, self.scale)
         return out.flatten(1)

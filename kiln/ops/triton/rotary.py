@@ -8,6 +8,7 @@ half = rotary_dim // 2:
 so each column is x * cos + sign * partner * sin, which the kernel computes in one tile.
 cos and sin are rounded to the dtype of q first, as `rotary_native` does; the rest is
 fp32, rounded once (the native path rounds after every op: results may differ by ~1 ulp).
+The same launch can write the rotated k and v into the paged KV cache (kiln::rotary_kv_cache_write).
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ def _check(positions, q, k, cos_sin_cache, head_dim) -> None:
                          f"rotary_dim <= head_dim {head_dim}, last dim contiguous; got {tuple(cos_sin_cache.shape)}")
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     cos_sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated copies of q [T, Hq * D] and k [T, Hkv * D] (contiguous; inputs untouched)."""
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     head_dim: int, value: torch.Tensor | None = None, kv_cache: torch.Tensor | None = None,
+                     slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated copies of q [T, Hq * D] and k [T, Hkv * D] (contiguous; inputs untouched). With
+    kv_cache ([2, blocks, block_size, Hkv, D]) and slot_mapping, the same launch also writes the
+    rotated k and `value` [T, Hkv * D] at each token's slot (kiln.ops.triton.attention.write_kv's
+    contract: slot -1 is skipped, as is every token past slot_mapping's length)."""
     _check(positions, q, k, cos_sin_cache, head_dim)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -46,11 +51,34 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if num_tokens == 0:
         return q_out, k_out
     num_q_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    write = kv_cache is not None
+    if write:
+        _check_kv_write(k, value, kv_cache, slot_mapping, head_dim)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        cache_args = (value, key_cache, value_cache, slot_mapping, value.stride(0), key_cache.stride(0),
+                      key_cache.stride(1), key_cache.stride(2), kv_cache.shape[2], slot_mapping.shape[0])
+    else:  # unread placeholders
+        cache_args = (k, k, k, positions, 0, 0, 0, 0, 1, 0)
     rotary_kernel[(num_tokens,)](
         positions, q, k, cos_sin_cache, q_out, k_out, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
-        num_q_heads, num_kv_heads,
+        num_q_heads, num_kv_heads, *cache_args,
         HEAD_DIM=head_dim, ROTARY_DIM=cos_sin_cache.shape[-1], BLOCK_DIM=triton.next_power_of_2(head_dim),
         BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads), BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
-        num_warps=8 if num_q_heads * head_dim >= 8192 else 4,
+        WRITE_KV=write, num_warps=8 if num_q_heads * head_dim >= 8192 else 4,
     )
     return q_out, k_out
+
+
+def _check_kv_write(k, value, kv_cache, slot_mapping, head_dim) -> None:
+    if value is None or slot_mapping is None:
+        raise ValueError("rotary_embedding: writing the KV cache needs value and slot_mapping too")
+    if value.shape != k.shape or value.stride(1) != 1 or value.dtype != k.dtype:
+        raise ValueError(f"rotary_embedding: value must be like k, {tuple(k.shape)} {k.dtype} with a contiguous "
+                         f"last dim; got {tuple(value.shape)} {value.dtype} strides {value.stride()}")
+    if (kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[-2:] != (k.shape[1] // head_dim, head_dim)
+            or kv_cache.stride(-1) != 1 or kv_cache.dtype != k.dtype):
+        raise ValueError(f"rotary_embedding: kv_cache must be [2, blocks, block_size, {k.shape[1] // head_dim}, "
+                         f"{head_dim}] {k.dtype} with a contiguous last dim, got {tuple(kv_cache.shape)} {kv_cache.dtype}")
+    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rotary_embedding: slot_mapping must be 1-D int32/int64, got {tuple(slot_mapping.shape)} "
+                         f"{slot_mapping.dtype}")

@@ -13,16 +13,22 @@ def _rotate_heads(x_ptr, out_ptr, token, x_token_stride, num_heads, cos, sin, pa
     head_ptrs = x_ptr + token * x_token_stride + heads * HEAD_DIM
     x = tl.load(head_ptrs + cols, mask=mask, other=0.0).to(tl.float32)
     partner = tl.load(head_ptrs + partner_cols, mask=mask, other=0.0).to(tl.float32)
-    out = x * cos + sign * partner * sin
+    out = (x * cos + sign * partner * sin).to(out_ptr.dtype.element_ty)
     out_ptrs = out_ptr + token * num_heads * HEAD_DIM + heads * HEAD_DIM + cols
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, out, mask=mask)
+    return out, heads, cols, mask
 
 
 @triton.jit
 def rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr,
                    q_token_stride, k_token_stride, cache_row_stride, num_q_heads, num_kv_heads,
+                   v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, v_token_stride,
+                   cache_block_stride, cache_slot_stride, cache_head_stride, block_size, num_slots,
                    HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr,
-                   BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr):
+                   BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, WRITE_KV: tl.constexpr):
+    """Rotate token `program_id`'s q and k heads; WRITE_KV: also store its rotated k and its v in the
+    paged KV cache at slot_mapping[token] (no store for slot -1, padding, or past num_slots), as
+    kiln.ops.triton.attention's write_kv does, from the values the rotation left in registers."""
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     half: tl.constexpr = ROTARY_DIM // 2
@@ -39,5 +45,14 @@ def rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr,
     sign = tl.where(first_half, -1.0, 1.0)
     _rotate_heads(q_ptr, q_out_ptr, token, q_token_stride, num_q_heads, cos, sin, partner_cols, sign,
                   HEAD_DIM, BLOCK_Q_HEADS, BLOCK_DIM)
-    _rotate_heads(k_ptr, k_out_ptr, token, k_token_stride, num_kv_heads, cos, sin, partner_cols, sign,
-                  HEAD_DIM, BLOCK_KV_HEADS, BLOCK_DIM)
+    k_rot, heads, cols, mask = _rotate_heads(k_ptr, k_out_ptr, token, k_token_stride, num_kv_heads, cos, sin,
+                                             partner_cols, sign, HEAD_DIM, BLOCK_KV_HEADS, BLOCK_DIM)
+    if WRITE_KV:
+        if token < num_slots:
+            slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+            if slot >= 0:
+                offsets = ((slot // block_size) * cache_block_stride + (slot % block_size) * cache_slot_stride
+                           + heads * cache_head_stride + cols)
+                tl.store(key_cache_ptr + offsets, k_rot, mask=mask)
+                value = tl.load(v_ptr + token * v_token_stride + heads * HEAD_DIM + cols, mask=mask)
+                tl.store(value_cache_ptr + offsets, value, mask=mask)
