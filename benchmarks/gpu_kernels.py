@@ -3,9 +3,9 @@
     python benchmarks/gpu_kernels.py [OUT_DIR]      (default: $OUT, else benchmarks/results)
 
 Writes OUT_DIR/kernels.json and prints a short table. Checks: norm, silu-and-mul, rope (alone
-and writing the KV cache), the logits' argmax in bf16 and fp32; the KV write (exact); paged attention in bf16 against an fp32 reference
-on the same inputs, swept over cache block sizes, GQA ratios, head dims and context
-lengths in decode, prefill and mixed batches; and a CUDA-graph replay of write + attention
+and writing the KV cache), the logits' argmax in bf16 and fp32; the KV write (exact); paged
+attention in bf16 against an fp32 reference on the same inputs, swept over cache block sizes,
+GQA ratios, head dims and context lengths in decode, prefill and mixed batches; and a CUDA-graph replay of write + attention
 with new lengths. Timings (medians): decode attention at Llama-3-8B shape, and each
 elementwise kernel against its eager PyTorch equivalent, launched normally and inside a
 CUDA graph (the way kiln runs them). Imports only torch, triton and kiln.

@@ -75,10 +75,11 @@ def _check_kv_write(k, value, kv_cache, slot_mapping, head_dim) -> None:
     if value.shape != k.shape or value.stride(1) != 1 or value.dtype != k.dtype:
         raise ValueError(f"rotary_embedding: value must be like k, {tuple(k.shape)} {k.dtype} with a contiguous "
                          f"last dim; got {tuple(value.shape)} {value.dtype} strides {value.stride()}")
-    if (kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[-2:] != (k.shape[1] // head_dim, head_dim)
+    heads = k.shape[1] // head_dim
+    if (kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[-2:] != (heads, head_dim)
             or kv_cache.stride(-1) != 1 or kv_cache.dtype != k.dtype):
-        raise ValueError(f"rotary_embedding: kv_cache must be [2, blocks, block_size, {k.shape[1] // head_dim}, "
-                         f"{head_dim}] {k.dtype} with a contiguous last dim, got {tuple(kv_cache.shape)} {kv_cache.dtype}")
+        raise ValueError(f"rotary_embedding: kv_cache must be [2, blocks, block_size, {heads}, {head_dim}] {k.dtype} "
+                         f"with a contiguous last dim, got {tuple(kv_cache.shape)} {kv_cache.dtype}")
     if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"rotary_embedding: slot_mapping must be 1-D int32/int64, got {tuple(slot_mapping.shape)} "
                          f"{slot_mapping.dtype}")
