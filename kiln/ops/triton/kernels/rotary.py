@@ -19,7 +19,9 @@ def _rotate_heads(x_ptr, out_ptr, token, x_token_stride, num_heads, cos, sin, pa
     return out, heads, cols, mask
 
 
-@triton.jit
+# num_slots follows the batch: specialising on its value (1, multiples of 16) would compile the
+# kernel again for CUDA-graph buckets that need no new code.
+@triton.jit(do_not_specialize=["num_slots"])
 def rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr,
                    q_token_stride, k_token_stride, cache_row_stride, num_q_heads, num_kv_heads,
                    v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, v_token_stride,
