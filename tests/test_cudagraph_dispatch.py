@@ -104,7 +104,7 @@ def test_cpu_dispatcher_passes_through():
     ({"cudagraph_decode": {"mode": "breakable", "static_compile": True}}, "needs mode 'full'"),
     ({"mode": 0, "cudagraph_decode": {"compiler": "inductor"}}, "needs a compiled forward"),
     ({"cudagraph_capture_sizes": [8, 4]}, "strictly increasing"),
-    ({"splitting_mode": "inductor_partition", "cudagraph_mode": "PIECEWISE"}, "use cudagraph_mode FULL"),
+    ({"splitting_mode": "none", "cudagraph_mode": "PIECEWISE"}, "use cudagraph_mode FULL"),
     ({"max_cudagraph_capture_size": 0}, "positive integer"),
     ({"cudagraph_decode": {"max_batch": -1}}, "positive integer"),
 ])
@@ -117,7 +117,9 @@ def test_presets_and_cli():
     assert CompilationConfig.level(0).cudagraph_mode == "NONE"
     assert CompilationConfig.level(2).cudagraph_mode == "FULL_AND_PIECEWISE"
     assert CompilationConfig.level(2, mode=2).cudagraph_mode == "FULL"  # no split graph: whole graphs
-    assert CompilationConfig.level(2, splitting_mode="inductor_partition").cudagraph_mode == "FULL"
+    assert CompilationConfig.level(2, splitting_mode="none").cudagraph_mode == "FULL"
+    # Inductor's partitions take the piecewise graphs that FX pieces take.
+    assert CompilationConfig.level(2, splitting_mode="inductor_partition").cudagraph_mode == "FULL_AND_PIECEWISE"
     _, config = parse_compilation_args(["-O2", "-cc.cudagraph_mode=FULL_DECODE_ONLY",
                                         '-cc.cudagraph_decode={"max_batch": 16}'])
     assert config.cudagraph_mode == "FULL_DECODE_ONLY"

@@ -33,6 +33,7 @@ from kiln.compile.config import CompilationConfig
 from kiln.compile.direct_call import CallSpec
 from kiln.compile.inductor_piece import PieceInput
 from kiln.compile.monitor import CompileMonitor, logger
+from kiln.compile.partitions import Partitions
 from kiln.compile.passes.manager import PassManager
 from kiln.compile.pieces import PieceRunner, PieceSet, UniquePiece, structural_hash, token_locator
 from kiln.compile.shapes import ShapePlan, TokenShape
@@ -113,6 +114,8 @@ class PiecewiseBackend:
         self.split_names = split_names if config.splitting_mode == "fx" else set()
         self.passes = PassManager(config.passes, monitor, config.pass_dump_dir)
         self.inductor_config = inductor_settings(config.splitting_mode, split_names, self.passes)
+        # Inductor's partitions between the split ops, for a caller to wrap (CompiledModel.wrap_pieces).
+        self.partitions = Partitions(monitor.counters) if config.splitting_mode == "inductor_partition" else None
         self.plan = ShapePlan(config.compile_ranges, config.compile_sizes, max_tokens)
         self.program: SplitProgram | None = None
         self.pieces: PieceSet | None = None
@@ -163,7 +166,7 @@ class PiecewiseBackend:
         """The pieces of `program`, artifacts from `store` where it has them."""
         self.program = program
         self.pieces = PieceSet(program.uniques, self.plan, self.config.piece_compiler,
-                               self.monitor, store, self.inductor_config)
+                               self.monitor, store, self.inductor_config, self.partitions)
         self.pieces.workers = self.workers
         c = self.monitor.counters
         c.pieces, c.unique_pieces, c.opaque_regions = len(program.slots), len(program.uniques), len(program.regions)
@@ -177,9 +180,8 @@ def inductor_settings(splitting_mode: str, split_names: set[str], passes: PassMa
     if passes:
         settings["post_grad_custom_post_pass"] = passes
     if splitting_mode == "inductor_partition":
-        # Inductor cuts its own graph at the split ops, after the passes ran on all of it.
-        # Hook for CUDA graphs over the partitions:
-        # torch._inductor.utils.set_customized_partition_wrappers (docs/compile-passes.md).
+        # Inductor cuts its own graph at the split ops, after the passes ran on all of it, and
+        # hands each partition to kiln.compile.partitions.
         settings["graph_partition"] = True
         settings["custom_should_partition_ops"] = sorted(split_names)
     elif splitting_mode == "none":

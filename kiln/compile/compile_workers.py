@@ -149,6 +149,7 @@ def _compile(job: PieceJob) -> PieceResult:
     from torch._dynamo.utils import counters
 
     from kiln.compile.inductor_piece import compile_piece, specialise
+    from kiln.compile.partitions import inductor_scope
 
     start = time.perf_counter()
     hits = counters["inductor"]["fxgraph_cache_hit"]
@@ -157,7 +158,7 @@ def _compile(job: PieceJob) -> PieceResult:
             importlib.import_module(name)
         graph = pickle.loads(job.graph)
         mode, inputs = specialise(job.inputs, job.shape)
-        with job.entry.compiler_dirs(), torch._inductor.config.patch(job.inductor_config):
+        with job.entry.compiler_dirs(), inductor_scope(job.inductor_config):
             artifact = compile_piece(graph, mode, inputs)
             tmp = Path(job.out)
             tmp.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -204,9 +204,15 @@ class CompiledModel:
         self.dispatch = DirectCall(module, program.call, self.model, self.capture.signature)
 
     def wrap_pieces(self, wrapper: Callable[[Callable], Callable] | None) -> None:
-        """Route every call of a compiled piece through `wrapper(piece)` (a CUDA graph per
-        bucket, say): the hook for what runs around the pieces, which this package knows
-        nothing about. Takes effect now if the forward is ready, else once it is."""
+        """Route every call of a compiled region between the split ops through `wrapper(fn)` (a
+        CUDA graph per bucket, say): the hook for what runs around them, which this package knows
+        nothing about. The regions are the pieces of the FX split, or with splitting_mode
+        "inductor_partition" Inductor's partitions (its one piece holds the split ops, which must
+        stay outside the wrapper). Takes effect now if the forward is ready, else once it is."""
+        partitions = self.backend.partitions if self.backend is not None else None
+        if partitions is not None:
+            partitions.wrap(wrapper)
+            return
         self.piece_wrapper = wrapper
         if self.dispatch is not None:
             self._direct_call()
@@ -237,6 +243,9 @@ class CompiledModel:
         return {"mode": c.mode, "piece_compiler": c.piece_compiler, "dynamic_shapes_mark": c.dynamic_shapes_mark,
                 "stamping": layer_stamping.resolve(c.stamp_mechanism) if c.stamp_repeated_layers else None,
                 "split_ops": sorted(op.name for op in self.split_ops), "splitting_mode": c.splitting_mode,
+                # Partition functions exist only where kiln's hook was set at code generation
+                # (kiln.compile.partitions); entries of this mode made before it have none.
+                "partition_functions": c.splitting_mode == "inductor_partition",
                 "merge_consecutive_split_ops": c.merge_consecutive_split_ops,
                 "passes": self.backend.passes.uuid() if self.backend.passes else None,
                 "max_num_batched_tokens": self.max_num_batched_tokens,

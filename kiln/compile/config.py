@@ -226,12 +226,12 @@ class CompilationConfig:
                              f"needs compilation mode 3 (-O1..-O3) and compiler 'inductor' (got mode "
                              f"{self.mode}, compiler {compiler!r}); use mode 'breakable' to graph the "
                              f"eager forward, or 'full'")
-        if mode == "piecewise" and self.splitting_mode != "fx":
-            raise ValueError(f"{where}: piecewise graphs replay the FX-split pieces between attention calls, "
-                             f"but splitting_mode {self.splitting_mode!r} leaves attention inside the compiled "
-                             f"graph, where a piecewise graph would freeze one step's metadata; use "
-                             f"cudagraph_mode FULL or FULL_DECODE_ONLY (full graphs hold static metadata), "
-                             f"or splitting_mode 'fx'")
+        if mode == "piecewise" and self.splitting_mode == "none":
+            raise ValueError(f"{where}: piecewise graphs replay the compiled regions between attention calls "
+                             f"(FX pieces, or Inductor's partitions), but splitting_mode 'none' cuts nothing and "
+                             f"leaves attention inside the compiled graph, where a piecewise graph would freeze "
+                             f"one step's metadata; use cudagraph_mode FULL or FULL_DECODE_ONLY (full graphs "
+                             f"hold static metadata), or splitting_mode 'fx' or 'inductor_partition'")
         if static and mode != "full":
             raise ValueError(f"{where}: static_compile captures whole-forward graphs; it needs mode "
                              f"'full', got {mode!r}")
@@ -244,9 +244,9 @@ class CompilationConfig:
             raise ValueError(f"optimisation level -O{n} is unknown; valid: "
                              f"{', '.join(f'-O{k}' for k in COMPILATION_LEVELS)}")
         values = {**COMPILATION_LEVELS[n], **overrides}
-        whole_graph = values.get("mode", 3) != 3 or values.get("splitting_mode", "fx") != "fx"
+        whole_graph = values.get("mode", 3) != 3 or values.get("splitting_mode", "fx") == "none"
         if "cudagraph_mode" not in overrides and whole_graph:
-            # Piecewise graphs need the FX-split graph of mode 3; a whole-graph mode gets whole graphs.
+            # Piecewise graphs need mode 3's regions between the split ops; a graph cut nowhere gets whole graphs.
             values["cudagraph_mode"] = "NONE" if values.get("mode") == 0 else "FULL"
         return cls(**values)
 

@@ -30,6 +30,9 @@ class CompileCounters:
     pieces: int = 0  # compiled pieces in the split graph
     unique_pieces: int = 0  # distinct pieces by structural hash (each compiled once per shape)
     opaque_regions: int = 0  # runs of split ops, executed as captured
+    # Inductor's partition functions between the split ops (splitting_mode "inductor_partition"),
+    # summed over every artifact: per unique piece and token shape. GPU code only.
+    partitions: int = 0
     inductor_compiles: int = 0  # piece compiler invocations, one per unique piece and range/size
     cache_hits: int = 0  # pieces loaded from kiln's compile cache, or served from Inductor's FX-graph cache
     cache_misses: int = 0  # piece compiles neither cache could serve: Inductor ran for real

@@ -24,6 +24,7 @@ from kiln.compile.compile_workers import CompileWorkers, PieceJob, op_modules
 from kiln.compile.cache.store import no_room, warn_no_room
 from kiln.compile.inductor_piece import TOKENS, PieceInput, compile_piece, specialise
 from kiln.compile.monitor import CompileMonitor, logger
+from kiln.compile.partitions import Partitions, inductor_scope
 from kiln.compile.passes.target import compiling
 from kiln.compile.shapes import ShapePlan, TokenShape, size_hint
 
@@ -62,11 +63,14 @@ class PieceSet:
     """
 
     def __init__(self, uniques: list[UniquePiece], plan: ShapePlan, compiler: str,
-                 monitor: CompileMonitor, store=None, inductor_config: dict | None = None):
+                 monitor: CompileMonitor, store=None, inductor_config: dict | None = None,
+                 partitions: Partitions | None = None):
         # inductor_config: Inductor settings patched around every piece compile (the pass
-        # manager, graph partitioning).
+        # manager, graph partitioning); partitions: where Inductor's partition functions go
+        # (splitting_mode "inductor_partition").
         self.uniques = uniques
         self.inductor_config = inductor_config or {}
+        self.partitions = partitions
         self.plan, self.compiler, self.monitor, self.store = plan, compiler, monitor, store
         self.by_shape: dict[TokenShape, list[Callable]] = {}
         self.by_tokens: dict[int, list[Callable]] = {}
@@ -153,7 +157,7 @@ class PieceSet:
                                name, job.shape, result.error)
                 continue
             store.adopt_piece(job.index, job.shape, Path(job.out))
-            with torch._inductor.config.patch(self.inductor_config):
+            with inductor_scope(self.inductor_config, self.partitions):
                 tables[job.shape][job.index] = store.load_piece(job.index, job.shape)
             self.monitor.piece_compiled_elsewhere(name, job.index, job.shape, result.seconds,
                                                   result.fx_cache_hit, self.captured)
@@ -163,8 +167,8 @@ class PieceSet:
 
     def _load_all(self, shape: TokenShape) -> list[Callable | None]:
         start = time.perf_counter()
-        # Loading runs Inductor's post-compile step, which reads graph_partition too.
-        with torch._inductor.config.patch(self.inductor_config):
+        # Loading runs Inductor's post-compile step, which reads graph_partition and hands out the partitions.
+        with inductor_scope(self.inductor_config, self.partitions):
             table = [self._load(i, shape) for i in range(len(self.uniques))]
         self.monitor.pieces_loaded(sum(a is not None for a in table), time.perf_counter() - start)
         return table
@@ -184,7 +188,7 @@ class PieceSet:
                 piece = self.uniques[i]
                 mode, inputs = specialise(piece.inputs, shape)
                 with (self.monitor.piece_compile(piece.name, i, shape, self.captured),
-                      torch._inductor.config.patch(self.inductor_config), compiling(piece.name, shape)):
+                      inductor_scope(self.inductor_config, self.partitions), compiling(piece.name, shape)):
                     table[i] = compile_piece(piece.graph, mode, inputs)
                 if self.store is not None:
                     self.store.save_piece(i, shape, table[i])

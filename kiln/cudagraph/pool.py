@@ -80,12 +80,14 @@ class CudagraphPool:
         """Capture fn(*args); returns the graph and fn's output, strongly held: the caller keeps
         it while later captures of the same forward read it, then drops it (the graph keeps
         only a weak view)."""
+        # Read before the call: an Inductor partition empties the list of inputs it is given.
+        addresses = tensor_addresses(args) if self.debug else None
         graph = self.begin()
         try:
             out = fn(*args)
         finally:
             self.end(graph)
-        return CapturedCudagraph(graph, weak_outputs(out), tensor_addresses(args) if self.debug else None), out
+        return CapturedCudagraph(graph, weak_outputs(out), addresses), out
 
     def begin(self) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()

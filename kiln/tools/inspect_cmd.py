@@ -41,7 +41,8 @@ def inspect_model(config: EngineConfig, compile_missing: bool = True) -> dict:
               "max_num_batched_tokens": config.max_num_batched_tokens,
               "compilation": dataclasses.asdict(compilation), "forward": forward_text(compilation),
               "custom_ops": custom_ops_report(config, custom_ops), "cuda_graphs": cuda_graphs_report(config),
-              "run": None, "split_ops": [], "pieces": None, "plan": None, "cache": None, "split_graph": None}
+              "run": None, "split_ops": [], "pieces": None, "partitions": None, "plan": None, "cache": None,
+              "split_graph": None}
     if compilation.mode != 3:
         report["run"] = {"how": "none", "text": not_piecewise_text(compilation.mode)}
         return report
@@ -69,6 +70,7 @@ def piecewise_report(config: EngineConfig, source, custom_ops: frozenset[str], c
                     "text": run_text(how, seconds, ran.stats, cache is not None)},
             "split_ops": [{"name": op.name, "source": op.source} for op in compiled.split_ops],
             "pieces": pieces_report(program),
+            "partitions": partitions_report(ran, config.compilation_config.splitting_mode),
             "plan": {"ranges": [[s.lo, s.hi] for s in plan.ranges], "sizes": sorted(plan.sizes)},
             "cache": cache_report(cache, entry),
             "split_graph": split_graph_path(entry, program, source.name)}
@@ -148,6 +150,17 @@ def pieces_report(program) -> dict:
     return {**program.summary(), "uniques": uniques, "regions": list(program.regions)}
 
 
+def partitions_report(compiled, splitting_mode: str) -> dict | None:
+    """Inductor's partitions between the split ops (splitting_mode inductor_partition): how many
+    each compiled artifact has. Each gets a CUDA graph per bucket of a piecewise phase."""
+    if splitting_mode != "inductor_partition":
+        return None
+    partitions = compiled.backend.partitions
+    slots = partitions.slots if partitions is not None else []
+    return {"artifacts": sum(slot.index == 0 for slot in slots), "functions": len(slots),
+            "per_artifact": sorted({slot.count for slot in slots})}
+
+
 def cache_report(cache, entry) -> dict:
     from kiln.compile.cache import cache_root
 
@@ -208,6 +221,7 @@ def render(report: dict) -> str:
              f"  this run: {report['run']['text']}"]
     if report["pieces"] is not None:
         lines += split_ops_lines(report["split_ops"]) + pieces_lines(report["pieces"])
+        lines += partitions_lines(report["partitions"], report["cuda_graphs"])
         lines += [f"compile ranges: {', '.join(f'[{lo}, {hi}]' for lo, hi in report['plan']['ranges'])}",
                   f"compile sizes: {', '.join(map(str, report['plan']['sizes'])) or 'none'}"]
     lines += cuda_graph_lines(report["cuda_graphs"]) + [custom_ops_line(report["custom_ops"])]
@@ -255,6 +269,20 @@ def pieces_lines(pieces: dict) -> list[str]:
         shown = ", ".join(users) if len(users) <= 4 else f"{users[0]}, {users[1]}, ..., {users[-1]}"
         lines.append(f"  unique piece {unique['index']}: {len(users)} piece(s): {shown}")
     return lines
+
+
+def partitions_lines(partitions: dict | None, graphs: dict) -> list[str]:
+    if partitions is None:
+        return []
+    if not partitions["functions"]:
+        return ["Inductor partitions: none here (Inductor partitions device code only: on a CPU each compiled "
+                "artifact runs as one function; on a GPU it is cut at every split op)"]
+    buckets = sum(len(graphs[phase]["buckets"]) for phase in ("prefill", "decode")
+                  if graphs[phase]["mode"] == "piecewise")
+    per = " or ".join(map(str, partitions["per_artifact"]))
+    return [f"Inductor partitions: {per} per compiled artifact ({partitions['artifacts']} artifacts, "
+            f"{partitions['functions']} functions), the split ops run between them; piecewise CUDA graphs: one "
+            f"per partition and bucket ({buckets} piecewise buckets)"]
 
 
 def custom_ops_line(ops: dict) -> str:
