@@ -74,13 +74,12 @@ class ForwardCudagraphs:
         if self.pool is None or not todo:
             return self.stats
         torch.cuda.synchronize(self.device)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
         with self.pool.session():
             for phase, bucket in todo:
                 self._capture(phase, bucket, kv_caches)
         torch.cuda.synchronize(self.device)
-        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        used = self.pool.memory_bytes()
         self.stats.update(num_graphs=self.pool.num_graphs, capture_s=time.perf_counter() - start,
                           graph_memory_bytes=used, buckets=len(todo))
         log_capture(self.pool, used)
