@@ -59,7 +59,9 @@ def mark_token_dims(arguments: dict, dims: dict[str, int], how: str, max_tokens:
             bounds = {"min": 1, "max": max_tokens} if "max" in accepts else {}  # torch >= 2.12
             mark_unbacked(value, dim, shape_id="num_tokens", **bounds)
         elif max_tokens > 1:
-            torch._dynamo.mark_dynamic(value, dim, min=1, max=max_tokens)
+            # At least 3: with max 2 a backed size (never 0 or 1) has the one value 2, and Dynamo
+            # then left input_ids and positions two separate symbols.
+            torch._dynamo.mark_dynamic(value, dim, min=1, max=max(max_tokens, 3))
     if count is None:
         raise CaptureError(f"none of the dynamic arguments {', '.join(dims)} was a tensor in this call")
     return count

@@ -265,7 +265,8 @@ class CompiledModel:
                                  engine=self.cache.model if self.cache is not None else None)
 
     def warm_up(self, make_inputs: Callable[[int], tuple],
-                context: Callable[[int], contextlib.AbstractContextManager] | None = None) -> None:
+                context: Callable[[int], contextlib.AbstractContextManager] | None = None,
+                counts: list[int] | None = None) -> None:
         """Make the forward ready for every compile range and size, so nothing compiles while
         serving: start warm from the cache if it can, then run what is still missing.
 
@@ -274,19 +275,29 @@ class CompiledModel:
         tuned for its largest count anyway (pieces.size_hint), and a 2048-token forward cost
         4.5 s of a 1-thread CPU start. In mode 2 the backend tunes for the capture call's
         count, so that call has the most tokens. `context(n)`, if given, is entered around the
-        call with n tokens (the caller's per-call state, e.g. what opaque ops read).
+        call with n tokens (the caller's per-call state, e.g. what opaque ops read). `counts`
+        (mode 3): make only these token counts ready instead of every range and size; the
+        capture call then takes one of them (the largest up to CAPTURE_TOKENS, and >= 2: Dynamo
+        specialises a count of 1).
         """
         if self.capture is None:
             return
         if self.backend is None:
-            counts = [self.max_num_batched_tokens]
+            calls = [self.max_num_batched_tokens]
         else:
-            counts = [min(self.max_num_batched_tokens, CAPTURE_TOKENS)]
+            plan = self.backend.plan
+            if counts is None:
+                calls = [min(self.max_num_batched_tokens, CAPTURE_TOKENS)]
+                calls += [shape.hi for shape in plan.ranges] + sorted(plan.sizes)
+                ahead = plan.all_shapes()
+            else:
+                small = [n for n in counts if 2 <= n <= CAPTURE_TOKENS]
+                calls = [max(small) if small else min(self.max_num_batched_tokens, CAPTURE_TOKENS), *counts]
+                ahead = list(dict.fromkeys(plan.shape_for(n) for n in calls))
             self._warm_start()
-            # The calls below need every range and size: a capture compiles them all at once.
-            self.backend.ahead = self.backend.plan.all_shapes()
-            counts += [shape.hi for shape in self.backend.plan.ranges] + sorted(self.backend.plan.sizes)
-        for n in dict.fromkeys(counts):
+            # The calls below need these shapes: a capture compiles them all at once.
+            self.backend.ahead = ahead
+        for n in dict.fromkeys(calls):
             if not self._ready_for(n):
                 with context(n) if context is not None else contextlib.nullcontext():
                     self(*make_inputs(n))

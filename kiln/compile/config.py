@@ -9,6 +9,7 @@ are checked against the pass registry when a config is made.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -257,6 +258,15 @@ class CompilationConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "CompilationConfig | None":
         return compilation_config_from_args(args)
+
+    def static_decode(self, sizes: list[int]) -> "CompilationConfig":
+        """SGLang's static decode compile (cudagraph_decode static_compile) as a kiln compile: the
+        whole forward, uncut (attention inside Inductor's code), for each decode bucket's exact
+        token count. SGLang traces once per bucket; here Dynamo captures once and Inductor
+        specialises per size, and the compile cache keeps every size."""
+        return dataclasses.replace(self, mode=3, piece_compiler="inductor", splitting_mode="none", splitting_ops=[],
+                                   compile_ranges=[], compile_sizes=list(sizes), strategy="lazy",
+                                   cudagraph_mode="NONE", cudagraph_prefill={}, cudagraph_decode={})
 
     @property
     def uses_inductor(self) -> bool:

@@ -29,8 +29,8 @@ class PhasePlan:
 class CudagraphChoice:
     phase: str
     mode: str  # the graph mode that runs this step; "none" = no graph
-    compiler: str
-    bucket: int | None  # the padded size; None without a graph
+    compiler: str  # inductor | eager | static (the whole forward compiled for the bucket's size)
+    bucket: int | None  # the padded size; None without a graph (or a static compile)
 
     def padded(self, num_tokens: int) -> int:
         return self.bucket if self.bucket is not None else num_tokens
@@ -68,6 +68,12 @@ class CudagraphDispatcher:
 
     def choose(self, num_tokens: int, uniform_decode: bool) -> CudagraphChoice:
         phases = (self.decode, self.prefill) if uniform_decode else (self.prefill,)
+        if uniform_decode and self.decode.static_compile:
+            # SGLang's path: the forward compiled for the bucket's exact size, graphed where graphs
+            # are on; padded to the bucket either way (the compile is for that size only).
+            bucket = self.decode.buckets.bucket_for(num_tokens)
+            if bucket is not None:
+                return CudagraphChoice("decode", self.decode.mode if self.enabled else "none", "static", bucket)
         if self.enabled:
             for phase in phases:
                 bucket = phase.buckets.bucket_for(num_tokens)

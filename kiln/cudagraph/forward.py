@@ -27,8 +27,15 @@ from kiln.forward_context import set_forward_context
 
 class ForwardCudagraphs:
     def __init__(self, model: nn.Module, compiled: CompiledModel, dispatcher: CudagraphDispatcher,
-                 buffers: StepBuffers, max_model_len: int, max_num_seqs: int, debug: bool = False):
+                 buffers: StepBuffers, max_model_len: int, max_num_seqs: int, debug: bool = False,
+                 static_forward: CompiledModel | None = None):
+        """static_forward: the forward compiled per decode bucket (SGLang's static decode path),
+        when the decode phase asks for it."""
+        if dispatcher.decode.static_compile and dispatcher.decode.buckets.sizes and static_forward is None:
+            raise ValueError("the decode phase compiles statically per bucket (static_compile), but no "
+                             "statically compiled forward was given")
         self.model, self.compiled, self.dispatcher, self.buffers = model, compiled, dispatcher, buffers
+        self.static_forward = static_forward
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.device = buffers.device
         self.split_names = {op.name for op in compiled.split_ops}
@@ -37,7 +44,6 @@ class ForwardCudagraphs:
         if any(phase.mode == "piecewise" for phase in (dispatcher.prefill, dispatcher.decode)):
             compiled.wrap_pieces(self.piecewise.wrap)
         self.graphs: dict[tuple[str, int], object] = {}  # (phase, bucket) -> captured graph
-        self.static_forward: Callable | None = None  # SGLang's path: one static compile per bucket
         self.stats = {"num_graphs": 0, "capture_s": 0.0, "graph_memory_bytes": 0, "buckets": 0}
 
     # ------------------------------------------------------------------ per step
@@ -103,7 +109,8 @@ class ForwardCudagraphs:
         else:
             num_seqs, max_query_len, max_seq_len = 0, 1, 1
         inputs = self.buffers.load(empty, bucket, num_seqs, max_query_len, max_seq_len)
-        return self._forward(CudagraphChoice(phase.name, phase.mode, phase.compiler, bucket)), inputs
+        compiler = "static" if phase.static_compile else phase.compiler
+        return self._forward(CudagraphChoice(phase.name, phase.mode, compiler, bucket)), inputs
 
     def _capture(self, phase: PhasePlan, bucket: int, kv_caches: dict[str, torch.Tensor]) -> None:
         forward, (ids, pos, meta) = self._bucket_inputs(phase, bucket)
@@ -131,17 +138,6 @@ class ForwardCudagraphs:
         return min(bucket, self.max_num_seqs, self.buffers.max_seqs), bucket, self.max_model_len
 
     def _forward(self, choice: CudagraphChoice) -> Callable:
-        if choice.phase == "decode" and choice.mode == "full" and self.dispatcher.decode.static_compile:
-            return self._static_forward()
+        if choice.compiler == "static":
+            return self.static_forward
         return self.compiled if choice.compiler == "inductor" else self.model
-
-    def _static_forward(self) -> Callable:
-        """SGLang's decode path: the whole forward compiled by Inductor for each bucket's exact
-        shape (dynamic=False); CUDA graphs hide the guard checks, which run only at capture."""
-        if self.static_forward is None:
-            limit = len(self.dispatcher.decode.buckets.sizes) + 8
-            for name in ("recompile_limit", "cache_size_limit"):
-                if hasattr(torch._dynamo.config, name):
-                    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
-            self.static_forward = torch.compile(self.model, dynamic=False, fullgraph=True)
-        return self.static_forward

@@ -57,14 +57,31 @@ def compile_forward(model: torch.nn.Module, config: EngineConfig, cache: Compile
     compiled = compile_model(model, config.compilation_config, config.max_num_batched_tokens, cache=cache)
     if config.compilation is None:
         logger.info("model forward: %s", DEFAULT_FORWARD_REASON)
+    _make_ready(compiled, timeline)
+    return compiled
+
+
+def compile_static_decode(model: torch.nn.Module, config: EngineConfig, cache: CompileCache | None,
+                          sizes: list[int], timeline: StartupTimeline) -> CompiledModel:
+    """SGLang's static decode path (cudagraph_decode static_compile): the whole forward compiled
+    for each decode bucket's exact size, before the first request like the rest."""
+    compiled = compile_model(model, config.compilation_config.static_decode(sizes), max(2, sizes[-1]), cache=cache)
+    logger.info("decode forward: %s, one compile per decode bucket (%s)", compiled.describe(),
+                ", ".join(map(str, sizes)))
+    _make_ready(compiled, timeline, counts=sizes)
+    return compiled
+
+
+def _make_ready(compiled: CompiledModel, timeline: StartupTimeline, counts: list[int] | None = None) -> None:
+    """Run the compiled forward's warm-up (CompiledModel.warm_up) and put its parts on the timeline."""
     if compiled.mode == 0:
-        return compiled
-    dev = next(model.parameters()).device
+        return
+    dev = next(compiled.model.parameters()).device
     with timeline.phase("compile", record=False), torch.inference_mode():
         # Values do not matter, only token counts; position 0 is valid for any model.
         compiled.warm_up(lambda n: (torch.zeros(n, dtype=torch.long, device=dev),
                                     torch.zeros(n, dtype=torch.long, device=dev)),
-                         context=lambda n: set_forward_context(warm_up_metadata(n, dev), {}))
+                         context=lambda n: set_forward_context(warm_up_metadata(n, dev), {}), counts=counts)
     stats = compiled.stats
     # Only what ran: a warm start records cache_load, a cold one dynamo, split (the backend's
     # own work: splitting, piece inputs, dedup, the cache key) and inductor.
@@ -72,7 +89,6 @@ def compile_forward(model: torch.nn.Module, config: EngineConfig, cache: Compile
                            ("split", stats["split_s"]), ("inductor", stats["compile_s"])):
         if seconds > 0:
             timeline.add(phase, seconds)
-    return compiled
 
 
 def _in_background(fn: Callable) -> concurrent.futures.Future:
@@ -112,8 +128,14 @@ class ModelRunner:
         # kiln.compile.triton_precompile) before the real warm-up runs and captures, which then
         # only load them.
         recorder = MissingKernels(target.result()) if target is not None and not _tuning() else None
+        dispatcher = CudagraphDispatcher.from_config(config.compilation_config, config.max_num_seqs,
+                                                     config.max_num_batched_tokens,
+                                                     enabled=self.device.type == "cuda")
+        static_sizes = dispatcher.decode.buckets.sizes if dispatcher.decode.static_compile else []
         with recorder or contextlib.nullcontext():
             self.compiled = compile_forward(self.model, config, cache, timeline)
+            self.static_decode = compile_static_decode(self.model, config, cache, static_sizes, timeline) \
+                if static_sizes else None
             with timeline.phase("kv_cache"):
                 self.num_blocks = self._num_kv_blocks()
                 self.kv_caches = {
@@ -124,12 +146,11 @@ class ModelRunner:
             model_len = source.config.max_position_embeddings
             self.max_model_len = min(config.max_model_len or model_len, model_len)
             self.cudagraphs = ForwardCudagraphs(
-                self.model, self.compiled,
-                CudagraphDispatcher.from_config(config.compilation_config, config.max_num_seqs,
-                                                config.max_num_batched_tokens, enabled=self.device.type == "cuda"),
+                self.model, self.compiled, dispatcher,
                 StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                             -(-self.max_model_len // self.block_size), self.device),
-                self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug)
+                self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug,
+                static_forward=self.static_decode)
             if recorder is not None:
                 with timeline.phase("kernels"):
                     self._precompile_kernels(recorder)
@@ -149,6 +170,11 @@ class ModelRunner:
             kernels = triton_kernels.counts()
             logger.info("Triton: %d kernels compiled at start-up, %d loaded from its cache", kernels["compiled"],
                         kernels["cache_hits"])
+
+    @property
+    def compiled_forwards(self) -> list[CompiledModel]:
+        """The forward, and the static decode forward where the decode phase compiles per bucket."""
+        return [self.compiled] + ([self.static_decode] if self.static_decode is not None else [])
 
     @property
     def bytes_per_block(self) -> int:

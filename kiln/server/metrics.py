@@ -84,9 +84,9 @@ class RequestTimer:
 
 
 def _compile_cache_counters(engine) -> tuple[int, int]:
-    """(hits, misses) from the compile monitor of the runner's compiled model."""
-    counters = engine.runner.compiled.monitor.counters
-    return counters.cache_hits, counters.cache_misses
+    """(hits, misses) from the compile monitors of the runner's compiled forwards."""
+    counters = [compiled.monitor.counters for compiled in engine.runner.compiled_forwards]
+    return sum(c.cache_hits for c in counters), sum(c.cache_misses for c in counters)
 
 
 class _EngineCollector:
@@ -125,11 +125,12 @@ class _EngineCollector:
                                   "seen); 0 on a start from an imported or warm cache root", value=kernels["compiled"])
         yield CounterMetricFamily("kiln_triton_kernels_cached", "Kernels Triton found in its cache in this process",
                                   value=kernels["cache_hits"])
-        stats = self.engine.engine.runner.compiled.stats if self.engine.engine else {}
-        yield CounterMetricFamily("kiln_inductor_compiles", "Piece compiles Inductor ran at start-up (0 on a "
-                                  "warm start)", value=stats.get("inductor_compiles", 0))
+        stats = [c.stats for c in self.engine.engine.runner.compiled_forwards] if self.engine.engine else []
+        yield CounterMetricFamily("kiln_inductor_compiles", "Piece compiles Inductor ran at start-up, the static "
+                                  "decode forward's per bucket included (0 on a warm start)",
+                                  value=sum(s["inductor_compiles"] for s in stats))
         yield CounterMetricFamily("kiln_dynamo_graphs", "Graphs Dynamo traced (0 on a warm start, which skips "
-                                  "Dynamo)", value=stats.get("graphs_seen", 0))
+                                  "Dynamo)", value=sum(s["graphs_seen"] for s in stats))
         hits, misses = _compile_cache_counters(self.engine.engine) if self.engine.engine else (0, 0)
         yield CounterMetricFamily("kiln_compile_cache_hits", "Pieces loaded from kiln's compile cache "
                                   "or served from Inductor's, from the compiled model's monitor; 0 when "
