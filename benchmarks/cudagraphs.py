@@ -38,6 +38,10 @@ MODES = {
     "O2 FULL": (2, {"cudagraph_mode": "FULL"}),
     "O2 FULL_DECODE_ONLY": (2, {"cudagraph_mode": "FULL_DECODE_ONLY"}),
     "O2 FULL_AND_PIECEWISE": (2, {"cudagraph_mode": "FULL_AND_PIECEWISE"}),
+    # Inductor partitions at the split ops instead of the FX split; piecewise graphs per partition.
+    "O2 partition PIECEWISE": (2, {"splitting_mode": "inductor_partition", "cudagraph_mode": "PIECEWISE"}),
+    "O2 partition FULL_AND_PIECEWISE": (2, {"splitting_mode": "inductor_partition",
+                                            "cudagraph_mode": "FULL_AND_PIECEWISE"}),
     "eager FULL_DECODE_ONLY": (0, {"cudagraph_mode": "FULL_DECODE_ONLY"}),
     "eager breakable": (0, {"cudagraph_prefill": {"mode": "breakable"}, "cudagraph_decode": {"mode": "breakable"}}),
     "static compile decode": (0, {"cudagraph_decode": {"mode": "full", "static_compile": True, "sizes": [1, 8]}}),
@@ -58,10 +62,10 @@ def free(device: str) -> None:
     torch._dynamo.reset()
 
 
-def build(model: str, device: str, dtype: str, mode: str, max_num_seqs: int, **engine) -> LLM:
+def build(model: str, device: str, dtype: str, mode: str, max_num_seqs: int, debug: bool = False, **engine) -> LLM:
     level, overrides = MODES[mode]
     return LLM(model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, seed=0,
-               compilation=CompilationConfig.level(level, **overrides), **engine)
+               compilation=CompilationConfig.level(level, **overrides, cudagraph_debug=debug), **engine)
 
 
 # ---------------------------------------------------------------------------- check
@@ -104,7 +108,8 @@ def check(args) -> dict:
 
 def check_mode(args, mode, prompts, params, reference) -> dict:
     start = time.perf_counter()
-    llm = build(args.check_model, args.device, "float32", mode, max_num_seqs=8,
+    # Graphs check on every replay that their inputs sit where they were captured (--check-debug).
+    llm = build(args.check_model, args.device, "float32", mode, max_num_seqs=8, debug=args.check_debug,
                 max_num_batched_tokens=64, num_kv_blocks=512, block_size=16)
     logits = record_logits(llm)
     tokens = [o.token_ids for o in llm.generate(prompts, params)]
@@ -285,7 +290,7 @@ def bench(args, rates: dict, result: dict) -> dict:
 
 
 def write(args, result: dict) -> Path:
-    out = Path(args.out) / f"cudagraphs_{args.bench_model}_{args.device}.json"
+    out = Path(args.out) / f"cudagraphs_{args.bench_model}_{args.device}{'_' + args.tag if args.tag else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
     return out
@@ -358,6 +363,8 @@ def main():
     p.add_argument("--check-model", default="tiny-llama")
     p.add_argument("--check-tol", type=float, default=1e-3)
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--check-debug", action="store_true", help="check input addresses on every replay")
+    p.add_argument("--tag", default="", help="suffix of the JSON's name, for a run of some modes")
     p.add_argument("--check-modes", nargs="+", default=list(MODES))
     p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--bench-model", default="llama-3-8b")

@@ -22,7 +22,8 @@ run() {
 # Parts, in the order they run; name some to run only those (a device call lasts at most
 # 10 minutes, and all of them together take longer: split them over two calls, e.g.
 # `bash benchmarks/gpu_suite.sh kernels graphs tiles` then `... engine cache bench`).
-# cache-nopyc, fresh, decode, reference, throughput, serving and tp (not in the default list): the cache part
+# partition, cache-nopyc, fresh, decode, reference, throughput, serving and tp (not in the default list): Inductor's
+# partitions under CUDA graphs, the cache part
 # without cached bytecode, a fresh machine's start, kiln's decode beside the stock loop, that loop alone, offline
 # throughput, online serving, and the tensor-parallel comparison (2 GPUs).
 parts=${*:-kernels gemv graphs tiles engine dynamo cache bench}
@@ -32,6 +33,14 @@ for part in $parts; do
         gemv) run python benchmarks/gemv.py --out "$OUT" ;;
         graphs) run python benchmarks/cudagraphs.py --out "$OUT" --profile --recapture default ;;
         tiles) run python benchmarks/attention_tiles.py --out "$OUT" ;;
+        # Inductor's partitions under piecewise CUDA graphs beside the FX split, and SGLang's static
+        # decode compile: tokens against eager (input addresses checked on every replay), decode
+        # step at 1/64/256, capture time, graph memory.
+        partition) run python benchmarks/cudagraphs.py --out "$OUT" --tag partition --check-debug --batches 1 64 256 \
+                       --check-modes eager "O2 FULL_AND_PIECEWISE" "O2 PIECEWISE" "O2 partition PIECEWISE" \
+                           "O2 partition FULL_AND_PIECEWISE" "static compile decode" \
+                       --bench-modes "O2 FULL_AND_PIECEWISE" "O2 PIECEWISE" "O2 partition PIECEWISE" \
+                           "O2 partition FULL_AND_PIECEWISE" "static compile decode" ;;
         # Decode attention at batches 64 and 256 (tiles, warps, stages, splits, early values).
         tiles-large) run python benchmarks/attention_tiles.py --large-batches --out "$OUT" ;;
         engine) run python benchmarks/engine_throughput.py --device cuda --model llama-3-8b --out "$OUT" ;;
@@ -61,7 +70,7 @@ for part in $parts; do
         bench) run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT" ;;
         # Needs 2 GPUs (nvidia-h200-x2): TP=1 against TP=2, with and without sequence parallelism.
         tp) run python benchmarks/tp_decode.py --out "$OUT" --modes graphs O2 O2+SP --batches 1 64 --timeout 150 ;;
-        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large engine dynamo cache cache-nopyc fresh decode reference throughput serving bench tp" >&2; exit 2 ;;
+        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large partition engine dynamo cache cache-nopyc fresh decode reference throughput serving bench tp" >&2; exit 2 ;;
     esac
 done
 exit $status
