@@ -56,6 +56,10 @@ class EngineConfig:
     # one step late (its extra token is dropped). None: on for one CUDA process, off on the CPU
     # (whose steps run as they are launched: there is nothing to overlap) and under tensor parallelism.
     async_scheduling: bool | None = None
+    # Automatic prefix caching (vLLM's name): full KV blocks keyed by their tokens are shared
+    # between sequences and kept after a request ends, so a prompt starting with a cached
+    # prefix prefills only the rest (kiln.engine.block_manager).
+    enable_prefix_caching: bool = True
     custom_ops: list[str] = field(default_factory=list)  # e.g. ["none", "+rms_norm"]
     seed: int = 0
     # None: what is measured to pay off today (DEFAULT_FORWARD_REASON). A dict is
@@ -178,6 +182,9 @@ class EngineConfig:
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="prepare the next step while the device runs this one (default: on for one CUDA "
                             "process, off on the CPU and with tensor parallelism)")
+        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="share the KV blocks of a prompt's cached prefix instead of computing it again, and "
+                            "keep finished requests' blocks until the memory is needed (default: on)")
         p.add_argument("--block-size", type=int, default=16)
         p.add_argument("--kv-cache-gib", type=float, default=1.0)
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -195,7 +202,8 @@ class EngineConfig:
             compilation=compilation_config_from_args(args), model=args.model, device=args.device, dtype=args.dtype,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_step_seconds=args.max_step_seconds,
-            async_scheduling=args.async_scheduling, block_size=args.block_size,
+            async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
+            block_size=args.block_size,
             kv_cache_gib=args.kv_cache_gib, gpu_memory_utilization=args.gpu_memory_utilization,
             custom_ops=[s for s in args.custom_ops.split(",") if s], tensor_parallel_size=args.tensor_parallel_size,
             load_format=args.load_format)

@@ -52,6 +52,9 @@ class EngineStats:
     kv_blocks_in_use: int = 0
     kv_blocks_total: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens served from it
+    kv_blocks_cached: int = 0  # blocks nobody uses that keep a cached prefix (handed out when needed)
 
 
 class _Request:
@@ -270,7 +273,8 @@ class AsyncEngine:
         blocks = scheduler.block_manager
         self.stats = EngineStats(len(scheduler.running), len(scheduler.waiting),
                                  blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks,
-                                 scheduler.num_preemptions)
+                                 scheduler.num_preemptions, blocks.stats.queries, blocks.stats.hits,
+                                 len(blocks.evictable))
 
     def _call(self, fn, *args) -> None:
         try:

@@ -40,7 +40,8 @@ class LLMEngine:
                 f"{config.block_size}), fewer than max_model_len={self.max_model_len}: one long "
                 f"request could never run. Lower max_model_len or give the cache more memory "
                 f"(kv_cache_gib on CPU, gpu_memory_utilization on GPU, or num_kv_blocks)")
-        self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, config.block_size),
+        self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, config.block_size,
+                                                config.enable_prefix_caching),
                                    config.max_num_seqs, config.max_num_batched_tokens, config.step_time_budget,
                                    self.max_model_len)
         self.eos_token_ids = set(self.source.config.eos_token_ids)

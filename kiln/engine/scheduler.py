@@ -82,6 +82,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         prefill_budget = self._prefill_tokens()
         preempted = False
+        for seq in self.running:
+            self.block_manager.cache_full_blocks(seq)  # what the last steps filled, for later prompts
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -115,11 +117,14 @@ class Scheduler:
         while (self.waiting and budget > 0 and prefill_budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            n = min(seq.num_tokens_with_pending - seq.num_computed_tokens, budget, prefill_budget)
-            if not self.block_manager.can_allocate(seq, n):
+            hit = self.block_manager.cached_prefix(seq)  # its prompt's start, already in the cache
+            computed = len(hit) * self.block_manager.block_size
+            n = min(seq.num_tokens_with_pending - computed, budget, prefill_budget)
+            if not self.block_manager.can_allocate(seq, n, hit):
                 break
             prefill_budget -= n
             self.waiting.popleft()
+            self.block_manager.share(seq, hit)
             self.block_manager.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

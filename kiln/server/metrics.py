@@ -103,6 +103,14 @@ class _EngineCollector:
         yield _gauge("kiln_kv_blocks_total", "KV-cache blocks in the pool", stats.kv_blocks_total)
         yield CounterMetricFamily("kiln_preemptions", "Requests preempted for want of KV blocks and "
                                   "recomputed later", value=stats.num_preemptions)
+        yield _gauge("kiln_kv_blocks_cached", "KV-cache blocks no request uses that keep a cached prefix (free "
+                     "to be handed out, evicted least recently used first)", stats.kv_blocks_cached)
+        yield CounterMetricFamily("kiln_prefix_cache_queries", "Prompt tokens looked up in the prefix cache as "
+                                  "requests were admitted", value=stats.prefix_cache_queries)
+        yield CounterMetricFamily("kiln_prefix_cache_hits", "Prompt tokens the prefix cache served (their KV "
+                                  "blocks shared, not computed)", value=stats.prefix_cache_hits)
+        yield _gauge("kiln_prefix_cache_hit_rate", "prefix cache hits / queries since start-up (0 before any)",
+                     stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0)
 
         info = timeline.as_dict()
         phases = GaugeMetricFamily("kiln_startup_phase_seconds", "Seconds of each start-up phase the "
