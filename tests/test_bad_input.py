@@ -58,8 +58,8 @@ def test_gguf_of_another_architecture(tmp_path):
     ({"top_p": float("nan")}, "top_p must be in"),
     ({"max_tokens": True}, "max_tokens must be an integer"),
     ({"n": 2}, "n=2 is not supported by kiln yet"),
-    ({"logprobs": 5}, "logprobs=5 is not supported"),
-    ({"presence_penalty": 0.5}, "presence_penalty=0.5 is not supported"),
+    ({"logprobs": 25}, r"logprobs must be an integer in \[0, 20\]"),
+    ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -81,7 +81,8 @@ class BlockManager:
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks a sequence about to be admitted (no blocks yet) starts with: at most
         all its tokens but one, which must be computed for its logits."""
-        if not self.enable_prefix_caching or seq.block_table:
+        # prompt_logprobs needs every prompt position's logits: nothing is skipped.
+        if not self.enable_prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
             return []
         blocks, parent = [], None
         for i in range((seq.num_tokens - 1) // self.block_size):

@@ -15,8 +15,9 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # ids before here are already text
         self._read_offset = 0
 
-    def add(self, token_id: int) -> bool:
-        """Append one token; True when the text now contains a stop string (and is cut at it)."""
+    def add(self, token_id: int, check_stop: bool = True) -> bool:
+        """Append one token; True when the text now contains a stop string (and is cut at it).
+        check_stop=False: text only (before min_tokens no stop string counts)."""
         self.ids.append(token_id)
         # Decode a short window twice and keep the difference: a token may be only part
         # of a UTF-8 character, or change how the token before it renders.
@@ -27,7 +28,7 @@ class IncrementalDetokenizer:
         new = after[len(before):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         self.text += new
-        return self._cut_at_stop(len(new))
+        return check_stop and self._cut_at_stop(len(new))
 
     def _cut_at_stop(self, num_new: int) -> bool:
         for stop in self.stop:

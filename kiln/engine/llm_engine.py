@@ -10,7 +10,7 @@ from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.outputs import RequestOutput
-from kiln.engine.runner import LaunchedStep, ModelRunner
+from kiln.engine.runner import LaunchedStep, ModelRunner, SampledToken
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.sequence import Sequence
@@ -80,6 +80,11 @@ class LLMEngine:
         vocab = self.source.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must lie in [0, {vocab}), got {max(params.logit_bias)}")
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1 yet (the other ranks "
+                             "would have to compute the prompt's logits too); leave it out")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -87,6 +92,8 @@ class LLMEngine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         seq = Sequence(request_id, text, ids, params, detok)
+        if not params.ignore_eos:
+            seq.stop_ids |= self.eos_token_ids
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -145,18 +152,36 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
 
-    def _collect(self, sampled: list[tuple[Sequence, int]], pending: bool) -> list[RequestOutput]:
+    def _collect(self, sampled: list[SampledToken], pending: bool) -> list[RequestOutput]:
         outputs = []
-        for seq, token in sampled:
+        for s in sampled:
+            seq = s.seq
             if pending:
                 seq.num_pending_tokens -= 1
             if seq.finished:  # stopped (or aborted) while this step ran: its token is past the end
                 continue
-            self._append_token(seq, token)
+            if s.logprobs is not None:
+                self._add_logprobs(seq, s.token, s.logprobs)
+            if seq.prompt_logprobs is not None and seq.num_output_tokens == 0:  # the prompt is through
+                self._decode_logprobs([entry for entry in seq.prompt_logprobs if entry is not None])
+            self._append_token(seq, s.token)
             outputs.append(RequestOutput.of(seq))
             if seq.finished:
                 self.seqs.pop(seq.seq_id, None)
         return outputs
+
+    def _add_logprobs(self, seq: Sequence, token: int, logprobs: dict) -> None:
+        self._decode_logprobs([logprobs])
+        seq.logprobs.append(logprobs)
+        seq.cumulative_logprob += logprobs[token].logprob
+
+    def _decode_logprobs(self, entries: list[dict]) -> None:
+        """Each Logprob's decoded_token: its token alone as text (None without a tokenizer)."""
+        if self.tokenizer is None:
+            return
+        for entry in entries:
+            for tid, logprob in entry.items():
+                logprob.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
@@ -164,7 +189,12 @@ class LLMEngine:
         seq.times.setdefault("first_token", now)
         seq.times["last_token"] = now
         p = seq.params
-        if not p.ignore_eos and token in self.eos_token_ids:
+        if seq.num_output_tokens < p.min_tokens:  # vLLM's rule: no stop of any kind before min_tokens
+            if seq.detokenizer is not None:
+                seq.detokenizer.add(token, check_stop=False)
+            if seq.ends_by_length(seq.num_tokens, self.max_model_len):
+                self.scheduler.finish(seq, "length")
+        elif not p.ignore_eos and token in self.eos_token_ids:
             self.scheduler.finish(seq, "stop")
         elif token in p.stop_token_ids:
             seq.stop_reason = token

@@ -21,8 +21,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None  # log probabilities are not computed yet: None
-    logprobs: list | None = None
+    cumulative_logprob: float | None = None  # with SamplingParams.logprobs: the chosen tokens' sum
+    logprobs: list | None = None  # with SamplingParams.logprobs: per token, {token id: Logprob}
     finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, else None
 
@@ -56,12 +56,13 @@ class RequestOutput:
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
         t = seq.times
-        completion = CompletionOutput(0, seq.text, seq.output_token_ids, finish_reason=seq.finish_reason,
-                                      stop_reason=seq.stop_reason)
+        completion = CompletionOutput(0, seq.text, seq.output_token_ids, seq.cumulative_logprob,
+                                      list(seq.logprobs) if seq.logprobs is not None else None,
+                                      finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
         metrics = RequestMetrics(t["arrival"], t.get("scheduled"), t.get("first_token"), t.get("last_token"),
                                  t.get("finished"))
         return cls(seq.seq_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], [completion], seq.finished,
-                   metrics, seq.num_preemptions)
+                   metrics, seq.num_preemptions, seq.prompt_logprobs)
 
     @property
     def text(self) -> str:

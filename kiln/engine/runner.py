@@ -18,7 +18,8 @@ from kiln.compile.cache.preload import preload_if_warm
 from kiln.compile.triton_precompile import MissingKernels, compile_all, triton_target
 from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
 from kiln.cudagraph import CudagraphChoice, CudagraphDispatcher, ForwardCudagraphs, PackedStep, StepBuffers
-from kiln.engine.sampler import sample, to_device
+from kiln.engine.logprobs import Logprob, TokenLogprobs
+from kiln.engine.sampler import RowHistory, needs_history, sample, to_device
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
@@ -40,6 +41,9 @@ class StepInputs:
     cudagraph: CudagraphChoice  # which CUDA graph (or none) runs the forward
     sample_rows: list[int]  # rows of the hidden states whose logits pick a token
     sample_seqs: list[Sequence]  # the sequences those rows belong to
+    # Sequences that asked for prompt_logprobs, with their first row in this step, the position
+    # it holds, and how many of their rows predict a prompt token.
+    prompt_rows: list[tuple[Sequence, int, int, int]] = dataclasses.field(default_factory=list)
 
 
 def compile_cache(source: ModelSource, dtype: torch.dtype, custom_ops: frozenset[str]) -> CompileCache | None:
@@ -270,11 +274,14 @@ class ModelRunner:
         the step in flight) is copied into its row on the GPU, behind that step."""
         bs = self.block_size
         step = PackedStep([], [], [], [s.block_table for s in batch.seqs], [], [0])
-        sample_rows, sample_seqs = [], []
+        sample_rows, sample_seqs, prompt_rows = [], [], []
         pending_rows, pending_from = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             known = seq.num_tokens
+            if seq.params.prompt_logprobs is not None and begin < seq.num_prompt_tokens - 1:
+                # Position p's logits give token p + 1's log probability, up to the prompt's last token.
+                prompt_rows.append((seq, len(step.input_ids), begin, min(end, seq.num_prompt_tokens - 1) - begin))
             step.input_ids += seq.token_ids[begin:min(end, known)]
             if end > known:
                 pending_rows.append(len(step.input_ids))
@@ -293,7 +300,7 @@ class ModelRunner:
             rows = to_device(pending_rows, torch.long, self.device)
             input_ids.index_copy_(0, rows, self._in_flight[0].index_select(0, to_device(pending_from, torch.long,
                                                                                          self.device)))
-        return StepInputs(input_ids, positions, meta, choice, sample_rows, sample_seqs)
+        return StepInputs(input_ids, positions, meta, choice, sample_rows, sample_seqs, prompt_rows)
 
     def _pending_index(self, seq: Sequence, count: int) -> int:
         """Where the step in flight left `seq`'s pending token among its sampled ones."""
@@ -310,45 +317,117 @@ class ModelRunner:
         step = self.prepare(batch)
         with set_forward_context(step.attn_metadata, self.kv_caches):
             hidden = self.cudagraphs.run(step.cudagraph, step.input_ids, step.positions)
+        prompt_logprobs = self._prompt_logprobs(hidden, step.prompt_rows) if step.prompt_rows else []
         seqs = step.sample_seqs
         if not seqs:
             self._in_flight = None
-            return LaunchedStep([], None, None)
+            return LaunchedStep([], None, None, prompt_logprobs=prompt_logprobs)
         if step.sample_rows == list(range(len(seqs))):  # a decode batch samples every row
             hidden = hidden[: len(seqs)]
         else:
             hidden = hidden.index_select(0, to_device(step.sample_rows, torch.long, self.device))
-        tokens = sample(self.model.compute_logits(hidden), [s.params for s in seqs], [s.generator for s in seqs])
+        logits = self.model.compute_logits(hidden)
+        params = [s.params for s in seqs]
+        history = [self._history(s) for s in seqs] if any(needs_history(p) for p in params) else None
+        in_flight = self._in_flight[0] if self._in_flight is not None else None
+        tokens = sample(logits, params, [s.generator for s in seqs], history, in_flight)
+        logprobs = None
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            index = to_device(wanted, torch.long, self.device)
+            logprobs = (wanted, TokenLogprobs.of(logits.index_select(0, index), tokens.index_select(0, index),
+                                                 max(params[i].logprobs for i in wanted)))
         self._in_flight = (tokens, {s: i for i, s in enumerate(seqs)})
-        return LaunchedStep.of(seqs, tokens)
+        return LaunchedStep.of(seqs, tokens, logprobs, prompt_logprobs)
 
-    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
-        """Run one step; returns (sequence, next token) for each sequence that caught up."""
+    def _history(self, seq: Sequence) -> RowHistory:
+        pending = self._pending_index(seq, 1) if seq.num_pending_tokens else None
+        return RowHistory(seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, pending, seq.stop_ids)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> list[tuple]:
+        """(sequence, first position, TokenLogprobs of each row, the prompt tokens they predict) for
+        every sequence of the step that asked for prompt_logprobs; computed in slices of rows, as a
+        long prompt's logits at once would take gigabytes."""
+        found = []
+        for seq, row, begin, count in prompt_rows:
+            targets = seq.token_ids[begin + 1: begin + 1 + count]
+            parts = []
+            for start in range(0, count, PROMPT_LOGITS_ROWS):
+                rows = slice(row + start, row + min(count, start + PROMPT_LOGITS_ROWS))
+                part_targets = to_device(targets[start:start + PROMPT_LOGITS_ROWS], torch.long, self.device)
+                parts.append(TokenLogprobs.of(self.model.compute_logits(hidden[rows]), part_targets,
+                                              seq.params.prompt_logprobs))
+            found.append((seq, begin, parts, targets))
+        return found
+
+    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
+        """Run one step; returns the next token of each sequence that caught up."""
         return self.launch(batch).results()
+
+
+PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits are computed at once (prompt_logprobs)
+
+
+@dataclass
+class SampledToken:
+    seq: Sequence
+    token: int
+    logprobs: dict[int, Logprob] | None = None  # with SamplingParams.logprobs: the chosen and the top tokens
 
 
 @dataclass
 class LaunchedStep:
-    """A step queued on the device: its sampled tokens are on their way to the host."""
+    """A step queued on the device: its sampled tokens (and log probabilities) are on their way
+    to the host."""
 
     seqs: list[Sequence]  # those that sample, in the order of their tokens
     host_tokens: torch.Tensor | None
     copied: torch.cuda.Event | None  # None on the CPU, where the copy has already happened
+    logprobs: tuple[list[int], TokenLogprobs] | None = None  # the rows that asked, and theirs
+    prompt_logprobs: list[tuple] = dataclasses.field(default_factory=list)  # see ModelRunner._prompt_logprobs
 
     @classmethod
-    def of(cls, seqs: list[Sequence], tokens: torch.Tensor) -> "LaunchedStep":
-        if tokens.device.type != "cuda":
-            return cls(seqs, tokens, None)
+    def of(cls, seqs: list[Sequence], tokens: torch.Tensor, logprobs: tuple[list[int], TokenLogprobs] | None = None,
+           prompt_logprobs: list[tuple] = ()) -> "LaunchedStep":
+        cuda = tokens.device.type == "cuda"
+        if logprobs is not None:
+            logprobs = (logprobs[0], logprobs[1].to("cpu", non_blocking=cuda))
+        prompt_logprobs = [(seq, begin, [p.to("cpu", non_blocking=cuda) for p in parts], targets)
+                           for seq, begin, parts, targets in prompt_logprobs]
+        if not cuda:
+            return cls(seqs, tokens, None, logprobs, prompt_logprobs)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(seqs, host, copied)
+        return cls(seqs, host, copied, logprobs, prompt_logprobs)
 
-    def results(self) -> list[tuple[Sequence, int]]:
-        """(sequence, token) pairs; waits for the step to finish on the device."""
-        if not self.seqs:
-            return []
+    def results(self) -> list[SampledToken]:
+        """Each sampled token (with its log probabilities, if asked for); waits for the step to
+        finish on the device. Prompt log probabilities go onto their sequences here."""
         if self.copied is not None:
             self.copied.synchronize()
-        return list(zip(self.seqs, self.host_tokens.tolist()))
+        for seq, begin, parts, targets in self.prompt_logprobs:
+            _add_prompt_logprobs(seq, begin, parts, targets)
+        if not self.seqs:
+            return []
+        tokens = self.host_tokens.tolist()
+        sampled = [SampledToken(seq, token) for seq, token in zip(self.seqs, tokens)]
+        if self.logprobs is not None:
+            rows, values = self.logprobs
+            for j, i in enumerate(rows):
+                sampled[i].logprobs = values.row(j, tokens[i], self.seqs[i].params.logprobs)
+        return sampled
+
+
+def _add_prompt_logprobs(seq: Sequence, begin: int, parts: list[TokenLogprobs], targets: list[int]) -> None:
+    """Append the log probabilities of the prompt tokens begin + 1, ... to seq.prompt_logprobs
+    (whose first entry, for the first token, is None: nothing predicts it)."""
+    if seq.prompt_logprobs is None:
+        seq.prompt_logprobs = [None]
+    if len(seq.prompt_logprobs) != begin + 1:  # recomputed after a preemption: kept from the first pass
+        return
+    num = seq.params.prompt_logprobs
+    for start, part in zip(range(0, len(targets), PROMPT_LOGITS_ROWS), parts):
+        for j in range(part.chosen.shape[0]):
+            seq.prompt_logprobs.append(part.row(j, targets[start + j], num))

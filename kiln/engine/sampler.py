@@ -1,24 +1,47 @@
-"""Picks the next token of each sequence from its logits."""
+"""Picks the next token of each sequence from its logits.
+
+The logits first go through what a request asks of them, in vLLM's order and with its
+semantics: logit_bias is added; EOS and stop_token_ids are masked until min_tokens are out;
+repetition_penalty divides positive logits (multiplies negative ones) of every token seen in
+the prompt or output; frequency and presence penalties subtract per occurrence and once per
+token of the output. Then greedy rows take the argmax; the others are scaled by temperature,
+cut by min_p, top-k and top-p, and sampled by the exponential race (argmax of p / E,
+E ~ Exp(1)), which draws from p with one random number per token; a seeded row draws its E
+from its own generator, so its tokens do not depend on what else is in the batch.
+
+Nothing here waits for the GPU (every host value goes up through pinned memory), so the
+engine can prepare its next step while this one runs.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from kiln.engine.sampling_params import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits [num_seqs, vocab] fp32 -> one token id per row, on logits' device.
+@dataclass
+class RowHistory:
+    """What min_tokens and the penalties read of one row's sequence."""
 
-    Greedy rows take the argmax. Other rows are scaled by temperature, cut to top-k and
-    top-p, and sampled by the exponential race (argmax of p / E, E ~ Exp(1)), which draws
-    from p with one random number per token; a seeded row draws its E from its own
-    generator, so its tokens do not depend on what else is in the batch.
+    prompt: list[int]
+    output: list[int]  # output tokens known on the host
+    pending: int | None  # its newest token, still on the device: an index into `in_flight`
+    stop_ids: frozenset[int]  # EOS and stop_token_ids: masked while fewer than min_tokens are out
 
-    Nothing here waits for the GPU (every host value goes up through pinned memory), so the
-    engine can prepare its next step while this one runs.
-    """
+    @property
+    def num_output(self) -> int:
+        return len(self.output) + (self.pending is not None)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           history: list[RowHistory] | None = None, in_flight: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [num_seqs, vocab] fp32 -> one token id per row, on logits' device. `history`
+    (one per row) is needed where a row has penalties or min_tokens; `in_flight` holds the
+    tokens its `pending` indices point to."""
+    logits = apply_controls(logits, params, history, in_flight)
     tokens = _argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -26,6 +49,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         index = to_device(rows, torch.long, dev)
         sub = logits.index_select(0, index) / to_device([params[i].temperature for i in rows], logits.dtype,
                                                          dev).unsqueeze(1)
+        sub = _min_p(sub, [params[i].min_p for i in rows])
         sub = _top_k(sub, [params[i].top_k for i in rows])
         sub = _top_p(sub, [params[i].top_p for i in rows])
         probs = sub.softmax(dim=-1)
@@ -36,6 +60,73 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
                 noise[j].copy_(drawn, non_blocking=True)
         tokens.index_copy_(0, index, _argmax(probs / noise))
     return tokens
+
+
+def needs_history(params: SamplingParams) -> bool:
+    return params.has_penalties or params.min_tokens > 0
+
+
+def apply_controls(logits: torch.Tensor, params: list[SamplingParams], history: list[RowHistory] | None,
+                   in_flight: torch.Tensor | None) -> torch.Tensor:
+    """The logits with each row's logit_bias, min_tokens and penalties applied (a new tensor
+    where any applies)."""
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    masked = [i for i, p in enumerate(params) if p.min_tokens and history[i].num_output < p.min_tokens]
+    penalised = [i for i, p in enumerate(params) if p.has_penalties]
+    if not (biased or masked or penalised):
+        return logits
+    logits, dev = logits.clone(), logits.device
+    if biased:
+        rows = [i for i in biased for _ in params[i].logit_bias]
+        ids = [t for i in biased for t in params[i].logit_bias]
+        values = [v for i in biased for v in params[i].logit_bias.values()]
+        logits.index_put_((to_device(rows, torch.long, dev), to_device(ids, torch.long, dev)),
+                          to_device(values, logits.dtype, dev), accumulate=True)
+    if masked:
+        rows = [i for i in masked for _ in history[i].stop_ids]
+        ids = [t for i in masked for t in history[i].stop_ids]
+        if rows:
+            logits.index_put_((to_device(rows, torch.long, dev), to_device(ids, torch.long, dev)),
+                              torch.tensor(float("-inf"), device=dev))
+    if penalised:
+        _penalise(logits, penalised, params, history, in_flight)
+    return logits
+
+
+def _penalise(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], history: list[RowHistory],
+              in_flight: torch.Tensor | None) -> None:
+    dev, vocab = logits.device, logits.shape[1]
+    index = to_device(rows, torch.long, dev)
+    # Output counts per row, one column past the vocabulary for padding.
+    width = max(len(history[i].output) for i in rows) + 1
+    out = torch.full((len(rows), width), vocab, dtype=torch.long)
+    for j, i in enumerate(rows):
+        out[j, : len(history[i].output)] = torch.tensor(history[i].output, dtype=torch.long)
+    out = out.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else out
+    pending = [(j, history[i].pending) for j, i in enumerate(rows) if history[i].pending is not None]
+    if pending:
+        where = to_device([j for j, _ in pending], torch.long, dev)
+        out[:, -1].index_copy_(0, where, in_flight.index_select(0, to_device([k for _, k in pending], torch.long, dev)))
+    counts = torch.zeros(len(rows), vocab + 1, dtype=logits.dtype, device=dev)
+    counts.scatter_add_(1, out, torch.ones_like(out, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    sub = logits.index_select(0, index)
+    repeated = [params[i].repetition_penalty for i in rows]
+    if any(r != 1 for r in repeated):
+        width = max(len(history[i].prompt) for i in rows)
+        prompt = torch.full((len(rows), width), vocab, dtype=torch.long)
+        for j, i in enumerate(rows):
+            prompt[j, : len(history[i].prompt)] = torch.tensor(history[i].prompt, dtype=torch.long)
+        prompt = prompt.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else prompt
+        seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev)
+        seen.scatter_(1, prompt, True)
+        seen = seen[:, :vocab] | (counts > 0)
+        r = to_device(repeated, logits.dtype, dev).unsqueeze(1)
+        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+    frequency = to_device([params[i].frequency_penalty for i in rows], logits.dtype, dev).unsqueeze(1)
+    presence = to_device([params[i].presence_penalty for i in rows], logits.dtype, dev).unsqueeze(1)
+    sub = sub - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    logits.index_copy_(0, index, sub)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -54,6 +145,15 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype)
     return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
+def _min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Drop a token whose probability is below min_p times the most likely one's."""
+    if all(p == 0 for p in min_p):
+        return logits
+    probs = logits.softmax(dim=-1)
+    floor = to_device(min_p, logits.dtype, logits.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:

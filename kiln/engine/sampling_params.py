@@ -1,10 +1,9 @@
-"""How to pick each next token and when to stop, with vLLM's field names and defaults;
-checked when a request is made.
+"""How to pick each next token and when to stop, with vLLM's field names, defaults and
+semantics; checked when a request is made.
 
-kiln honours max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
-and include_stop_str_in_output. vLLM's other fields are accepted at their defaults (which
-turn them off), and any other value is refused naming the field: kiln never ignores a
-setting silently.
+kiln honours the fields in SUPPORTED. vLLM's other fields are accepted at their defaults
+(which turn them off), and any other value is refused naming the field: kiln never ignores
+a setting silently.
 """
 
 from __future__ import annotations
@@ -12,14 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-SUPPORTED = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-             "include_stop_str_in_output")
+SUPPORTED = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+             "ignore_eos", "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "prompt_logprobs")
+MAX_LOGPROBS = 20  # top log probabilities a token may ask for (OpenAI's limit)
 # vLLM's fields kiln does not implement yet, each with the value that leaves it off.
 UNSUPPORTED_DEFAULTS = {
-    "n": 1, "best_of": None, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-    "min_p": 0.0, "min_tokens": 0, "logprobs": None, "prompt_logprobs": None, "detokenize": True,
-    "skip_special_tokens": True, "spaces_between_special_tokens": True, "logits_processors": None,
-    "truncate_prompt_tokens": None, "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
+    "n": 1, "best_of": None, "detokenize": True, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "logits_processors": None, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None,
     "guided_decoding": None, "structured_outputs": None, "extra_args": None,
 }
 
@@ -83,15 +82,54 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _finite(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if not _finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1 = off), got {self.repetition_penalty}")
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        if not _count(self.min_tokens) or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _count(value) or value > MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (the top log probabilities "
+                                 f"returned beside the chosen token's) or None, got {value!r}")
+        self.logit_bias = _logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
     def top_k_or_none(self) -> int | None:
         """The top-k cut, or None when off (0 or -1)."""
         return self.top_k if self.top_k > 0 else None
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """{token id: added to its logit}; OpenAI's JSON keys are strings of ids."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {bias!r}")
+    checked = {}
+    for token, value in bias.items():
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        if not _count(token) or not _finite(value) or not -100 <= value <= 100:
+            raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {token!r}: {value!r}")
+        checked[token] = float(value)
+    return checked
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _finite(x) -> bool:

@@ -40,6 +40,13 @@ class Sequence:
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+        # The tokens that stop it, masked while fewer than min_tokens are out: the engine adds EOS.
+        self.stop_ids = frozenset(params.stop_token_ids)
+        # With params.logprobs: per output token, {token id: Logprob} (the chosen one and the top ones).
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        # With params.prompt_logprobs: None for the first prompt token, then one entry per token.
+        self.prompt_logprobs: list[dict | None] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -25,10 +25,9 @@ from kiln.config import EngineConfig
 from kiln.distributed import TensorParallelState, building_for
 from kiln.distributed.launcher import Workers, join_as_rank0
 from kiln.engine.errors import EngineDead
-from kiln.engine.runner import ModelRunner
+from kiln.engine.runner import ModelRunner, SampledToken
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import ScheduledBatch
-from kiln.engine.sequence import Sequence
 from kiln.engine.timeline import StartupTimeline
 from kiln.loader import ModelSource, load_source
 from kiln.models import model_class
@@ -120,7 +119,7 @@ class TensorParallelRunner(ModelRunner):
         logger.info("tensor parallel: %d ranks over %s (%s), this process rank 0", size,
                     config.torch_device.type, self.workers.backend)
 
-    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
         if self.lost is not None:
             raise self.lost
         try:
