@@ -26,7 +26,9 @@ SAMPLING = {
     "temperature": numbers | values, "top_p": numbers | values, "top_k": numbers | values,
     "seed": numbers | values, "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=3) | values,
     "stream": st.booleans() | values, "ignore_eos": st.booleans() | values, "stop_token_ids": token_ids | values,
-    "n": numbers | values, "presence_penalty": numbers | values, "logit_bias": values,
+    "n": numbers | values, "presence_penalty": numbers | values, "frequency_penalty": numbers | values,
+    "repetition_penalty": numbers | values, "min_p": numbers | values, "min_tokens": numbers | values,
+    "logit_bias": values | st.dictionaries(st.sampled_from(["1", "7", "-3", "99999", "x"]), numbers, max_size=2),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | values}) | values,
     "model": values,
 }
@@ -34,7 +36,8 @@ COMPLETION = {**SAMPLING, "prompt": st.text(max_size=20) | token_ids | st.lists(
               | st.lists(token_ids, max_size=2) | values, "echo": values, "logprobs": values}
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool"]) | values,
                                  "content": st.text(max_size=20) | values})
-CHAT = {**SAMPLING, "messages": st.lists(message, max_size=3) | values, "max_completion_tokens": numbers | values}
+CHAT = {**SAMPLING, "messages": st.lists(message, max_size=3) | values, "max_completion_tokens": numbers | values,
+        "logprobs": st.booleans() | values, "top_logprobs": numbers | values}
 VALID = {"/v1/completions": {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4},
          "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}}
 

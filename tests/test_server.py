@@ -41,6 +41,49 @@ def _chat(client, content: str, **kwargs):
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kwargs)
 
 
+def test_logprobs_completion_and_chat_streamed_or_not(client):
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                    logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens == 5
+    assert lp.tokens[0] == " Paris" and all(v <= 0 for v in lp.token_logprobs)
+    # Greedy: the chosen token is the most likely one; each entry has the two top tokens.
+    assert all(max(top.values()) == chosen and len(top) == 2 for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+    chat = _chat(client, "What is the capital of France?", max_tokens=6, temperature=0.7, seed=3,
+                 logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for token in content:
+        assert len(token.top_logprobs) == 3 and token.bytes == list(token.token.encode())
+        assert [t.logprob for t in token.top_logprobs] == sorted((t.logprob for t in token.top_logprobs), reverse=True)
+        assert token.logprob <= token.top_logprobs[0].logprob
+
+    chunks = list(_chat(client, "What is the capital of France?", max_tokens=6, temperature=0, logprobs=True,
+                        stream=True, stream_options={"include_usage": True}))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert len(streamed) == chunks[-1].usage.completion_tokens and all(t.top_logprobs == [] for t in streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).startswith(streamed[0].token)
+
+
+def test_penalties_bias_and_min_tokens_are_honoured(client):
+    plain = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=8, temperature=0)
+    first = plain.choices[0].text
+    # A bias of -100 on the first token greedy chose moves the choice elsewhere.
+    token = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=1, temperature=0,
+                                      logprobs=0).choices[0].logprobs
+    ids = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=1, temperature=0,
+                                    extra_body={"return_token_ids": True}).choices[0]
+    biased = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=8, temperature=0,
+                                       logit_bias={str(ids.token_ids[0]): -100})
+    assert not biased.choices[0].text.startswith(token.tokens[0]) and first.startswith(token.tokens[0])
+    penalised = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=8, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=1.0,
+                                          extra_body={"repetition_penalty": 1.5, "min_p": 0.05, "min_tokens": 8})
+    assert penalised.usage.completion_tokens == 8
+
+
 def test_health_is_503_with_the_phase_until_ready_then_200(server):
     status, body = server.before_ready["health"]
     assert status == 503 and body["status"] == "starting" and body["phase"] not in (None, "ready")
@@ -194,12 +237,20 @@ def _long_prompt():
     (lambda c: _chat(c, "hi", temperature=-0.5), 400, "temperature", None),
     (lambda c: _chat(c, "hi", temperature=-0.5, stream=True), 400, "temperature", None),
     (lambda c: _chat(c, "hi", n=3), 400, "n", "unsupported_parameter"),
+    (lambda c: _chat(c, "hi", top_logprobs=2), 400, "top_logprobs", "invalid_value"),
+    (lambda c: _chat(c, "hi", logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
+    (lambda c: c.completions.create(model=MODEL, prompt="hi", logprobs=30), 400, "logprobs", None),
+    (lambda c: _chat(c, "hi", presence_penalty=3), 400, "presence_penalty", "invalid_value"),
+    (lambda c: _chat(c, "hi", extra_body={"repetition_penalty": 0}), 400, "repetition_penalty", "invalid_value"),
+    (lambda c: _chat(c, "hi", logit_bias={"49152": 1}), 400, "logit_bias", None),
     (lambda c: c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}]), 404,
      "model", "model_not_found"),
     (lambda c: c.completions.create(model="gpt-4o", prompt="hi"), 404, "model", "model_not_found"),
 ], ids=["wrong-type", "wrong-type-nested", "wrong-type-float", "chat-over-context", "prompt-over-context",
         "max-tokens-0", "max-tokens-negative-stream", "max-completion-tokens-0", "negative-temperature",
-        "negative-temperature-stream", "n-unsupported", "unknown-model-chat", "unknown-model-completions"])
+        "negative-temperature-stream", "n-unsupported", "top-logprobs-alone", "top-logprobs-21", "logprobs-30",
+        "presence-penalty-3", "repetition-penalty-0", "logit-bias-outside-vocab", "unknown-model-chat",
+        "unknown-model-completions"])
 def test_bad_request_names_the_field_and_the_server_keeps_serving(client, call, status, param, code):
     with pytest.raises(openai.APIStatusError) as info:
         call(client)

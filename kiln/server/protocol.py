@@ -40,20 +40,22 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
     # Not in OpenAI's API; the names vLLM uses, so existing clients can pass them in extra_body.
     top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     # In OpenAI's API but not (yet) in kiln: accepted only at their neutral values, so a
     # client that asks for them gets an error instead of silently different behaviour.
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
 
-    NEUTRAL: ClassVar[dict[str, tuple]] = {"n": (1,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
-                                           "logit_bias": (None, {})}
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"n": (1,)}
 
     def unsupported_field(self) -> str | None:
         """The first field set to a value kiln cannot honour, if any."""
@@ -74,12 +76,16 @@ class CompletionRequest(_SamplingFields):
     # sends the prompt's in its first chunk and each chunk's new tokens, text or not).
     return_token_ids: bool = False
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # the top tokens per token, beside the chosen one
     best_of: int | None = None
     suffix: str | None = None
 
-    NEUTRAL: ClassVar[dict[str, tuple]] = {**_SamplingFields.NEUTRAL, "echo": (False,), "logprobs": (None,),
-                                           "best_of": (None, 1), "suffix": (None,)}
+    NEUTRAL: ClassVar[dict[str, tuple]] = {**_SamplingFields.NEUTRAL, "echo": (False,), "best_of": (None, 1),
+                                           "suffix": (None,)}
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Request):
@@ -115,16 +121,19 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # newer name for max_tokens; wins when both are set
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # needs logprobs: true
     tools: list[dict] | None = None
     response_format: dict | None = None
 
     return_token_ids: bool = False  # vLLM's extension; kiln has it on /v1/completions only
 
-    NEUTRAL: ClassVar[dict[str, tuple]] = {**_SamplingFields.NEUTRAL, "logprobs": (False,),
-                                           "top_logprobs": (None, 0), "tools": (None, []),
+    NEUTRAL: ClassVar[dict[str, tuple]] = {**_SamplingFields.NEUTRAL, "tools": (None, []),
                                            "response_format": (None, {"type": "text"}),
                                            "return_token_ids": (False,)}
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # ---- responses ----
@@ -146,11 +155,34 @@ class _Response(BaseModel):
     model: str
 
 
+class CompletionLogprobs(BaseModel):
+    """/v1/completions' legacy shape: per token its text, its log probability, the top ones by
+    text, and where its text starts in the choice's text."""
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionChoiceWithTokens(CompletionChoice):
@@ -174,7 +206,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(_Response):
@@ -192,7 +224,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(_Response):

@@ -17,11 +17,12 @@ from kiln.engine.sampling_params import SamplingParams
 from kiln.server.errors import APIError, error_body
 from kiln.server.metrics import RequestTimer, ServerMetrics
 from kiln.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                  ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
-                                  CompletionChoiceWithTokens, CompletionRequest, CompletionResponse, Delta, Usage,
-                                  new_id)
+                                  ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
+                                  CompletionChoice, CompletionChoiceWithTokens, CompletionLogprobs, CompletionRequest,
+                                  CompletionResponse, Delta, TopLogprob, Usage, new_id)
 
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "stop", "seed")
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "stop", "seed", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
 
 
 class OpenAIServing:
@@ -67,6 +68,8 @@ class OpenAIServing:
         if field is not None:
             raise APIError(400, f"{field}={getattr(req, field)!r} is not supported by kiln; leave it out",
                            param=field, code="unsupported_parameter")
+        if getattr(req, "top_logprobs", None) and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
 
     def _tokenizer(self, message_if_none: str):
         tokenizer = self.engine.engine.tokenizer
@@ -89,7 +92,8 @@ class OpenAIServing:
         try:
             outputs = await self.engine.add_request(prompt_ids, params, request_id)
         except ValueError as e:
-            raise APIError(400, str(e), param=prompt_param) from None
+            field = str(e).split()[0]  # the engine's messages start with what they are about
+            raise APIError(400, str(e), param=field if field in _SAMPLING_FIELDS else prompt_param) from None
         except EngineNotReady as e:
             raise APIError(503, str(e), code="not_ready") from None
         if req.stream:
@@ -102,15 +106,19 @@ class OpenAIServing:
         if final is None:  # the client left; nobody reads this
             return Response(status_code=499)
         usage = Usage.of(len(prompt_ids), len(final.token_ids))
+        entries = final.outputs[0].logprobs
         if endpoint == "chat":
-            choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=final.finish_reason)
+            choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=final.finish_reason,
+                                logprobs=chat_logprobs(final.token_ids, entries, params.logprobs))
             body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
-        elif req.return_token_ids:
-            choice = CompletionChoiceWithTokens(text=final.text, finish_reason=final.finish_reason,
-                                                prompt_token_ids=prompt_ids, token_ids=list(final.token_ids))
-            body = CompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
         else:
-            choice = CompletionChoice(text=final.text, finish_reason=final.finish_reason)
+            logprobs = completion_logprobs(final.token_ids, entries, 0)
+            if req.return_token_ids:
+                choice = CompletionChoiceWithTokens(text=final.text, finish_reason=final.finish_reason,
+                                                    logprobs=logprobs, prompt_token_ids=prompt_ids,
+                                                    token_ids=list(final.token_ids))
+            else:
+                choice = CompletionChoice(text=final.text, finish_reason=final.finish_reason, logprobs=logprobs)
             body = CompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
         return JSONResponse(body.model_dump())
 
@@ -118,9 +126,12 @@ class OpenAIServing:
 def _sampling_params(req, max_tokens: int, max_tokens_param: str) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
-                              top_p=req.top_p, seed=req.seed, stop=req.stop or [],
+                              top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=req.stop or [],
                               stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                              include_stop_str_in_output=req.include_stop_str_in_output)
+                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                              repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias,
+                              min_tokens=req.min_tokens, logprobs=req.num_logprobs)
     except ValueError as e:
         # SamplingParams' messages start with the field they are about.
         message = str(e)
@@ -129,6 +140,44 @@ def _sampling_params(req, max_tokens: int, max_tokens_param: str) -> SamplingPar
             message = max_tokens_param + message.removeprefix(field)
         param = max_tokens_param if field == "max_tokens" else field if field in _SAMPLING_FIELDS else None
         raise APIError(400, message, param=param, code="invalid_value") from None
+
+
+def _token_text(token: int, logprob) -> str:
+    """A token as text in a logprobs answer: its decoded text, or token_id:<id> (vLLM's form)
+    for a model without a tokenizer."""
+    return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token}"
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict] | None, text_start: int) -> CompletionLogprobs | None:
+    """/v1/completions' logprobs of `token_ids`, their text starting at `text_start` of the choice's."""
+    if entries is None:
+        return None
+    result, offset = CompletionLogprobs(), text_start
+    for token, entry in zip(token_ids, entries):
+        text = _token_text(token, entry[token])
+        result.tokens.append(text)
+        result.token_logprobs.append(entry[token].logprob)
+        result.top_logprobs.append({_token_text(t, lp): lp.logprob for t, lp in entry.items()})
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict] | None, num: int | None) -> ChatLogprobs | None:
+    """Chat's logprobs of `token_ids`: each token with its `num` most likely alternatives."""
+    if entries is None:
+        return None
+
+    def top(token: int, logprob) -> TopLogprob:
+        text = _token_text(token, logprob)
+        return TopLogprob(token=text, logprob=logprob.logprob, bytes=list(text.encode()))
+
+    content = []
+    for token, entry in zip(token_ids, entries):
+        chosen = top(token, entry[token])
+        ranked = sorted((lp.rank, t, lp) for t, lp in entry.items() if lp.rank <= num)
+        content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[top(t, lp) for _, t, lp in ranked]))
+    return ChatLogprobs(content=content)
 
 
 async def _last_output(outputs: AsyncIterator[RequestOutput], raw: Request,
@@ -156,6 +205,7 @@ class _SSEStream:
                  prompt_ids: list[int], return_token_ids: bool = False):
         self.request_id, self.model, self.include_usage = request_id, model, include_usage
         self.num_prompt_tokens = len(prompt_ids)
+        self.num_logprobs = params.logprobs  # None: no logprobs in the chunks
         # With return_token_ids every step's tokens go out, text or not (a model without a tokenizer
         # has none); the prompt's ids ride on the first chunk.
         self.return_token_ids = return_token_ids
@@ -166,6 +216,8 @@ class _SSEStream:
 
     async def run(self, outputs: AsyncIterator[RequestOutput], timer: RequestTimer) -> AsyncIterator[str]:
         sent, sent_tokens, final = 0, 0, None
+        # Every step's tokens go out when they carry ids or log probabilities; else only text.
+        per_token = self.return_token_ids or self.num_logprobs is not None
         try:
             first = self.first_chunk()
             if first is not None:
@@ -174,9 +226,11 @@ class _SSEStream:
                 async for out in outputs:
                     timer.output(out)
                     end = len(out.text) if out.finished else max(sent, len(out.text) - self.holdback)
-                    new_tokens = self.return_token_ids and len(out.token_ids) > sent_tokens
+                    new_tokens = per_token and len(out.token_ids) > sent_tokens
                     if end > sent or new_tokens:
-                        yield _event(self.text_chunk(out.text[sent:end], list(out.token_ids[sent_tokens:])))
+                        entries = out.outputs[0].logprobs
+                        yield _event(self.text_chunk(out.text[sent:end], list(out.token_ids[sent_tokens:]),
+                                                     entries[sent_tokens:] if entries is not None else None, sent))
                         sent, sent_tokens = max(sent, end), len(out.token_ids)
                     final = out
             yield _event(self.finish_chunk(final.finish_reason))
@@ -194,8 +248,9 @@ class _SSEStream:
     def first_chunk(self):
         raise NotImplementedError
 
-    def text_chunk(self, text: str, token_ids: list[int]):
-        """A chunk of new text; `token_ids`, the tokens since the last chunk, go out with return_token_ids."""
+    def text_chunk(self, text: str, token_ids: list[int], logprobs: list[dict] | None, text_start: int):
+        """A chunk of new text (from `text_start` of the whole); `token_ids`, the tokens since the last
+        chunk, go out with return_token_ids, and their `logprobs` where asked for."""
         raise NotImplementedError
 
     def finish_chunk(self, reason: str):
@@ -212,8 +267,9 @@ class _ChatStream(_SSEStream):
     def first_chunk(self):
         return self._chunk([ChatChunkChoice(delta=Delta(role="assistant", content=""))])
 
-    def text_chunk(self, text, token_ids):
-        return self._chunk([ChatChunkChoice(delta=Delta(content=text))])
+    def text_chunk(self, text, token_ids, logprobs, text_start):
+        return self._chunk([ChatChunkChoice(delta=Delta(content=text),
+                                            logprobs=chat_logprobs(token_ids, logprobs, self.num_logprobs))])
 
     def finish_chunk(self, reason):
         return self._chunk([ChatChunkChoice(delta=Delta(), finish_reason=reason)])
@@ -229,11 +285,13 @@ class _CompletionStream(_SSEStream):
     def first_chunk(self):
         return None
 
-    def text_chunk(self, text, token_ids):
+    def text_chunk(self, text, token_ids, logprobs, text_start):
+        logprobs = completion_logprobs(token_ids, logprobs, text_start)
         if not self.return_token_ids:
-            return self._chunk([CompletionChoice(text=text)])
+            return self._chunk([CompletionChoice(text=text, logprobs=logprobs)])
         prompt_ids, self.unsent_prompt_ids = self.unsent_prompt_ids, None
-        return self._chunk([CompletionChoiceWithTokens(text=text, token_ids=token_ids, prompt_token_ids=prompt_ids)])
+        return self._chunk([CompletionChoiceWithTokens(text=text, logprobs=logprobs, token_ids=token_ids,
+                                                       prompt_token_ids=prompt_ids)])
 
     def finish_chunk(self, reason):
         return self._chunk([CompletionChoice(text="", finish_reason=reason)])
