@@ -1,4 +1,5 @@
-"""`kiln generate` as a user runs it: a fresh process, the embedded model, no network."""
+"""`kiln generate` and `kiln serve`'s flags as a user runs them: a fresh process, the embedded
+model, no network."""
 
 import os
 import subprocess
@@ -35,3 +36,13 @@ def test_generate_a_preset_without_tokenizer_is_a_clear_error():
     run = _kiln("generate", "hi", "--model", "tiny-llama")
     assert run.returncode == 2
     assert "has no tokenizer" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_serve_takes_vllms_positional_model_and_shows_its_flags():
+    run = _kiln("serve", "--help")
+    assert run.returncode == 0
+    for flag in ("MODEL", "--enable-prefix-caching", "--no-enable-prefix-caching", "-O", "-cc",
+                 "--compilation-config", "--served-model-name"):
+        assert flag in run.stdout, flag
+    twice = _kiln("serve", "tiny-llama", "--model", "smollm2")
+    assert twice.returncode != 0 and "the model is given twice" in twice.stderr

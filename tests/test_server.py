@@ -25,7 +25,7 @@ GREEDY = dict(max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--max-model-len", str(MAX_MODEL_LEN))
+    srv = ServerProcess(MODEL, "--max-model-len", str(MAX_MODEL_LEN))  # `kiln serve MODEL`, as `vllm serve MODEL`
     try:
         yield srv.wait_ready()
     finally:
@@ -104,6 +104,9 @@ def test_chat_completion(client):
     choice = out.choices[0]
     assert "Paris" in choice.message.content and choice.message.role == "assistant"
     assert choice.finish_reason == "stop" and out.model == MODEL and out.object == "chat.completion"
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, max_tokens=2,
+                                                           messages=[{"role": "user", "content": "hi"}])
+    assert json.loads(raw.text)["system_fingerprint"] is None  # present, null, as vLLM sends it
     usage = out.usage
     assert usage.prompt_tokens > 10 and 0 < usage.completion_tokens <= 32
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens

@@ -153,6 +153,7 @@ class _Response(BaseModel):
     id: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = None  # OpenAI's field; null, as vLLM sends it
 
 
 class CompletionLogprobs(BaseModel):
