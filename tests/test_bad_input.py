@@ -57,7 +57,8 @@ def test_gguf_of_another_architecture(tmp_path):
     ({"temperature": 1e-300}, "temperature must be 0 .greedy. or >= 1e-05"),
     ({"top_p": float("nan")}, "top_p must be in"),
     ({"max_tokens": True}, "max_tokens must be an integer"),
-    ({"n": 2}, "n=2 is not supported by kiln yet"),
+    ({"n": 0}, r"n must be an integer in \[1, 64\]"),
+    ({"best_of": 3}, "best_of=3 is not supported by kiln yet"),
     ({"logprobs": 25}, r"logprobs must be an integer in \[0, 20\]"),
     ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
 ])

@@ -89,7 +89,7 @@ def test_sampling_params_take_vllm_s_names_and_refuse_what_kiln_does_not_do():
     assert p.top_k_or_none is None and p.stop == ["x"] and p.max_tokens is None
     assert SamplingParams(top_k=-1).top_k_or_none is None and SamplingParams(top_k=5).top_k_or_none == 5
     with pytest.raises(ValueError, match=r"bad_words=\['x'\] is not supported by kiln yet .leave it at None.; "
-                                         r"kiln honours max_tokens, temperature"):
+                                         r"kiln honours n, max_tokens, temperature"):
         SamplingParams(bad_words=["x"])
     with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
         SamplingParams(temprature=0.5)

@@ -67,6 +67,25 @@ def test_logprobs_completion_and_chat_streamed_or_not(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).startswith(streamed[0].token)
 
 
+def test_n_choices_streamed_or_not(client):
+    out = _chat(client, "Name a colour.", n=3, max_tokens=8, temperature=1.0, seed=4, logprobs=True)
+    assert [c.index for c in out.choices] == [0, 1, 2] and all(c.finish_reason for c in out.choices)
+    assert out.usage.completion_tokens == sum(len(c.logprobs.content) for c in out.choices)
+    greedy = client.completions.create(model=MODEL, prompt="The capital of France is", n=2, max_tokens=6,
+                                       temperature=0, logprobs=1)
+    assert greedy.choices[0].text == greedy.choices[1].text and greedy.usage.completion_tokens == 12
+    assert len(greedy.choices[1].logprobs.tokens) == 6
+    chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is", n=2, max_tokens=6,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts[0] == texts[1] == greedy.choices[0].text
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1]
+    assert chunks[-1].usage.completion_tokens == 12
+
+
 def test_penalties_bias_and_min_tokens_are_honoured(client):
     plain = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=8, temperature=0)
     first = plain.choices[0].text
@@ -239,7 +258,7 @@ def _long_prompt():
     (lambda c: _chat(c, "hi", max_completion_tokens=0), 400, "max_completion_tokens", None),
     (lambda c: _chat(c, "hi", temperature=-0.5), 400, "temperature", None),
     (lambda c: _chat(c, "hi", temperature=-0.5, stream=True), 400, "temperature", None),
-    (lambda c: _chat(c, "hi", n=3), 400, "n", "unsupported_parameter"),
+    (lambda c: _chat(c, "hi", n=0), 400, "n", "invalid_value"),
     (lambda c: _chat(c, "hi", top_logprobs=2), 400, "top_logprobs", "invalid_value"),
     (lambda c: _chat(c, "hi", logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
     (lambda c: c.completions.create(model=MODEL, prompt="hi", logprobs=30), 400, "logprobs", None),
@@ -251,7 +270,7 @@ def _long_prompt():
     (lambda c: c.completions.create(model="gpt-4o", prompt="hi"), 404, "model", "model_not_found"),
 ], ids=["wrong-type", "wrong-type-nested", "wrong-type-float", "chat-over-context", "prompt-over-context",
         "max-tokens-0", "max-tokens-negative-stream", "max-completion-tokens-0", "negative-temperature",
-        "negative-temperature-stream", "n-unsupported", "top-logprobs-alone", "top-logprobs-21", "logprobs-30",
+        "negative-temperature-stream", "n-0", "top-logprobs-alone", "top-logprobs-21", "logprobs-30",
         "presence-penalty-3", "repetition-penalty-0", "logit-bias-outside-vocab", "unknown-model-chat",
         "unknown-model-completions"])
 def test_bad_request_names_the_field_and_the_server_keeps_serving(client, call, status, param, code):

@@ -47,7 +47,8 @@ class LLMEngine:
         self.eos_token_ids = set(self.source.config.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}  # live sequences by seq_id
+        self.requests: dict[str, list[Sequence]] = {}  # live requests: their sequences, one per choice
         self.async_scheduling = config.uses_async_scheduling
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step whose tokens come next
         self._ids = itertools.count()
@@ -86,22 +87,31 @@ class LLMEngine:
             raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1 yet (the other ranks "
                              "would have to compute the prompt's logits too); leave it out")
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.seqs:
+        seq_ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
+        if request_id in self.requests or any(i in self.seqs for i in seq_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
-        seq = Sequence(request_id, text, ids, params, detok)
-        if not params.ignore_eos:
-            seq.stop_ids |= self.eos_token_ids
-        self.seqs[request_id] = seq
-        self.scheduler.add(seq)
+        group = []
+        for index, seq_id in enumerate(seq_ids):
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+            seq = Sequence(seq_id, text, ids, params, detok, request_id, index)
+            if not params.ignore_eos:
+                seq.stop_ids |= self.eos_token_ids
+            if index and self.config.enable_prefix_caching:
+                seq.leader = group[0]  # admitted once the first choice's prompt is in the cache
+            group.append(seq)
+        self.requests[request_id] = group
+        for seq in group:
+            self.seqs[seq.seq_id] = seq
+            self.scheduler.add(seq)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        seq = self.seqs.pop(request_id, None)
-        if seq is not None and not seq.finished:
-            self.scheduler.finish(seq, "abort")
+        for seq in self.requests.pop(request_id, []):
+            self.seqs.pop(seq.seq_id, None)
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any (they also stop at exit)."""
@@ -153,7 +163,8 @@ class LLMEngine:
             seq.num_computed_tokens += n
 
     def _collect(self, sampled: list[SampledToken], pending: bool) -> list[RequestOutput]:
-        outputs = []
+        """One RequestOutput per request that got a token (all its choices, in order)."""
+        updated: dict[str, None] = {}
         for s in sampled:
             seq = s.seq
             if pending:
@@ -165,9 +176,15 @@ class LLMEngine:
             if seq.prompt_logprobs is not None and seq.num_output_tokens == 0:  # the prompt is through
                 self._decode_logprobs([entry for entry in seq.prompt_logprobs if entry is not None])
             self._append_token(seq, s.token)
-            outputs.append(RequestOutput.of(seq))
+            updated[seq.request_id] = None
             if seq.finished:
                 self.seqs.pop(seq.seq_id, None)
+        outputs = []
+        for request_id in updated:
+            group = self.requests[request_id]
+            outputs.append(RequestOutput.of(group))
+            if outputs[-1].finished:
+                del self.requests[request_id]
         return outputs
 
     def _add_logprobs(self, seq: Sequence, token: int, logprobs: dict) -> None:

@@ -1,12 +1,12 @@
 """What a request returns, in vLLM's shape: RequestOutput holding one CompletionOutput per
-generated sequence (kiln generates one: n > 1 is not offered yet), and when it happened.
+generated sequence (n of them, SamplingParams.n), and when it happened.
 
     for o in llm.generate(prompts, params):
         print(o.prompt, o.outputs[0].text)
 
 `text`, `token_ids` and `finish_reason` on the RequestOutput itself are shorthands for
-outputs[0]'s, kept because a request has one sequence and the server, the CLI and most
-scripts read just that one.
+outputs[0]'s, kept because most requests have one sequence and the CLI and most scripts
+read just that one.
 """
 
 from __future__ import annotations
@@ -54,15 +54,29 @@ class RequestOutput:
     prompt_logprobs: list | None = field(default=None)
 
     @classmethod
-    def of(cls, seq: Sequence) -> "RequestOutput":
-        t = seq.times
-        completion = CompletionOutput(0, seq.text, seq.output_token_ids, seq.cumulative_logprob,
-                                      list(seq.logprobs) if seq.logprobs is not None else None,
-                                      finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-        metrics = RequestMetrics(t["arrival"], t.get("scheduled"), t.get("first_token"), t.get("last_token"),
-                                 t.get("finished"))
-        return cls(seq.seq_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], [completion], seq.finished,
-                   metrics, seq.num_preemptions, seq.prompt_logprobs)
+    def of(cls, seqs: Sequence | list[Sequence]) -> "RequestOutput":
+        """The request's state: one CompletionOutput per sequence (choice), finished when all are."""
+        seqs = [seqs] if isinstance(seqs, Sequence) else seqs
+        first = seqs[0]
+        completions = [CompletionOutput(s.index, s.text, s.output_token_ids, s.cumulative_logprob,
+                                        list(s.logprobs) if s.logprobs is not None else None,
+                                        finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in seqs]
+        times = [s.times for s in seqs]
+
+        def earliest(name):
+            seen = [t[name] for t in times if name in t]
+            return min(seen) if seen else None
+
+        def latest(name):
+            seen = [t[name] for t in times if name in t]
+            return max(seen) if seen and len(seen) == len(times) else None
+
+        metrics = RequestMetrics(first.times["arrival"], earliest("scheduled"), earliest("first_token"),
+                                 max((t["last_token"] for t in times if "last_token" in t), default=None),
+                                 latest("finished"))
+        return cls(first.request_id, first.prompt, first.token_ids[: first.num_prompt_tokens], completions,
+                   all(s.finished for s in seqs), metrics, sum(s.num_preemptions for s in seqs),
+                   first.prompt_logprobs)
 
     @property
     def text(self) -> str:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-SUPPORTED = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+SUPPORTED = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
              "ignore_eos", "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "prompt_logprobs")
 MAX_LOGPROBS = 20  # top log probabilities a token may ask for (OpenAI's limit)
 # vLLM's fields kiln does not implement yet, each with the value that leaves it off.
+MAX_N = 64  # choices a request may ask for
 UNSUPPORTED_DEFAULTS = {
-    "n": 1, "best_of": None, "detokenize": True, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "best_of": None, "detokenize": True, "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "logits_processors": None, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None,
     "guided_decoding": None, "structured_outputs": None, "extra_args": None,
 }
@@ -61,6 +62,8 @@ class SamplingParams:
             if value != off and not (off is None and value in ([], {})):
                 raise ValueError(f"SamplingParams {name}={value!r} is not supported by kiln yet (leave it at "
                                  f"{off!r}); kiln honours {', '.join(SUPPORTED)}")
+        if not _count(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}] (the choices to generate), got {self.n!r}")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)

@@ -117,6 +117,9 @@ class Scheduler:
         while (self.waiting and budget > 0 and prefill_budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
+            if seq.leader is not None and not seq.leader.finished and \
+                    seq.leader.num_computed_tokens < seq.num_prompt_tokens:
+                break  # a later choice of a request waits for the first's prompt, to share its blocks
             hit = self.block_manager.cached_prefix(seq)  # its prompt's start, already in the cache
             computed = len(hit) * self.block_manager.block_size
             n = min(seq.num_tokens_with_pending - computed, budget, prefill_budget)

@@ -19,8 +19,14 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, seq_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, detokenizer: IncrementalDetokenizer | None):
+                 params: SamplingParams, detokenizer: IncrementalDetokenizer | None,
+                 request_id: str | None = None, index: int = 0):
         self.seq_id = seq_id
+        # A request with n > 1 is n sequences: the request they answer, and which choice this is.
+        self.request_id = request_id if request_id is not None else seq_id
+        self.index = index
+        # The first choice, whose prompt this one waits for so as to share its cached blocks.
+        self.leader: Sequence | None = None
         self.prompt = prompt
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -38,8 +44,8 @@ class Sequence:
         # Wall-clock times (time.time()) of its life: arrival, scheduled, first_token, last_token, finished.
         self.times: dict[str, float] = {"arrival": time.time()}
         self.generator = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        if params.seed is not None:  # each choice its own stream: seed + index
+            self.generator = torch.Generator().manual_seed(params.seed + index)
         # The tokens that stop it, masked while fewer than min_tokens are out: the engine adds EOS.
         self.stop_ids = frozenset(params.stop_token_ids)
         # With params.logprobs: per output token, {token id: Logprob} (the chosen one and the top ones).

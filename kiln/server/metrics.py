@@ -63,14 +63,16 @@ class RequestTimer:
 
     def output(self, out: RequestOutput) -> None:
         now = time.perf_counter()
-        self.metrics.generation_tokens.inc(len(out.token_ids) - self.num_tokens)
-        self.num_tokens = len(out.token_ids)
-        if self.first_token is None and out.token_ids:
+        total = sum(len(c.token_ids) for c in out.outputs)  # every choice's (n > 1)
+        self.metrics.generation_tokens.inc(total - self.num_tokens)
+        self.num_tokens = total
+        if self.first_token is None and total:
             self.first_token = now
             self.metrics.ttft.observe(now - self.start)
         if out.finished:
-            if self.num_tokens > 1:
-                self.metrics.tpot.observe((now - self.first_token) / (self.num_tokens - 1))
+            longest = max(len(c.token_ids) for c in out.outputs)  # the choices run side by side
+            if longest > 1:
+                self.metrics.tpot.observe((now - self.first_token) / (longest - 1))
             self._finish(out.finish_reason)
 
     def aborted(self) -> None:

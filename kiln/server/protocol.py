@@ -51,11 +51,11 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
-    # In OpenAI's API but not (yet) in kiln: accepted only at their neutral values, so a
-    # client that asks for them gets an error instead of silently different behaviour.
     n: int = 1
 
-    NEUTRAL: ClassVar[dict[str, tuple]] = {"n": (1,)}
+    # In OpenAI's API but not (yet) in kiln: accepted only at their neutral values, so a
+    # client that asks for them gets an error instead of silently different behaviour.
+    NEUTRAL: ClassVar[dict[str, tuple]] = {}
 
     def unsupported_field(self) -> str | None:
         """The first field set to a value kiln cannot honour, if any."""

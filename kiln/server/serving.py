@@ -21,7 +21,7 @@ from kiln.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                   CompletionChoice, CompletionChoiceWithTokens, CompletionLogprobs, CompletionRequest,
                                   CompletionResponse, Delta, TopLogprob, Usage, new_id)
 
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "stop", "seed", "presence_penalty",
+_SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "stop", "seed", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
 
 
@@ -105,27 +105,30 @@ class OpenAIServing:
         final = await _last_output(outputs, raw, timer)
         if final is None:  # the client left; nobody reads this
             return Response(status_code=499)
-        usage = Usage.of(len(prompt_ids), len(final.token_ids))
-        entries = final.outputs[0].logprobs
+        usage = Usage.of(len(prompt_ids), sum(len(c.token_ids) for c in final.outputs))
         if endpoint == "chat":
-            choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=final.finish_reason,
-                                logprobs=chat_logprobs(final.token_ids, entries, params.logprobs))
-            body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
+            choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                                  logprobs=chat_logprobs(c.token_ids, c.logprobs, params.logprobs))
+                       for c in final.outputs]
+            body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
         else:
-            logprobs = completion_logprobs(final.token_ids, entries, 0)
-            if req.return_token_ids:
-                choice = CompletionChoiceWithTokens(text=final.text, finish_reason=final.finish_reason,
-                                                    logprobs=logprobs, prompt_token_ids=prompt_ids,
-                                                    token_ids=list(final.token_ids))
-            else:
-                choice = CompletionChoice(text=final.text, finish_reason=final.finish_reason, logprobs=logprobs)
-            body = CompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
+            choices = []
+            for c in final.outputs:
+                logprobs = completion_logprobs(c.token_ids, c.logprobs, 0)
+                if req.return_token_ids:
+                    choices.append(CompletionChoiceWithTokens(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                                              logprobs=logprobs, prompt_token_ids=prompt_ids,
+                                                              token_ids=list(c.token_ids)))
+                else:
+                    choices.append(CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                                    logprobs=logprobs))
+            body = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
         return JSONResponse(body.model_dump())
 
 
 def _sampling_params(req, max_tokens: int, max_tokens_param: str) -> SamplingParams:
     try:
-        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
+        return SamplingParams(n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
                               top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=req.stop or [],
                               stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                               include_stop_str_in_output=req.include_stop_str_in_output,
@@ -199,43 +202,51 @@ async def _last_output(outputs: AsyncIterator[RequestOutput], raw: Request,
 
 
 class _SSEStream:
-    """Server-sent events of one request: text deltas, the finish reason, usage, then [DONE]."""
+    """Server-sent events of one request: text deltas per choice, each choice's finish reason,
+    usage, then [DONE]."""
 
     def __init__(self, request_id: str, model: str, include_usage: bool, params: SamplingParams,
                  prompt_ids: list[int], return_token_ids: bool = False):
         self.request_id, self.model, self.include_usage = request_id, model, include_usage
-        self.num_prompt_tokens = len(prompt_ids)
+        self.num_prompt_tokens, self.n = len(prompt_ids), params.n
         self.num_logprobs = params.logprobs  # None: no logprobs in the chunks
         # With return_token_ids every step's tokens go out, text or not (a model without a tokenizer
-        # has none); the prompt's ids ride on the first chunk.
+        # has none); the prompt's ids ride on each choice's first chunk.
         self.return_token_ids = return_token_ids
-        self.unsent_prompt_ids = prompt_ids if return_token_ids else None
+        self.prompt_ids = prompt_ids if return_token_ids else None
         # Text that may be the start of a stop string is held back until it is known not to
         # be one: the engine cuts a stop string out of the text only once it is complete.
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
 
     async def run(self, outputs: AsyncIterator[RequestOutput], timer: RequestTimer) -> AsyncIterator[str]:
-        sent, sent_tokens, final = 0, 0, None
+        sent, sent_tokens, closed = [0] * self.n, [0] * self.n, [False] * self.n
+        final = None
         # Every step's tokens go out when they carry ids or log probabilities; else only text.
         per_token = self.return_token_ids or self.num_logprobs is not None
         try:
-            first = self.first_chunk()
-            if first is not None:
-                yield _event(first)
+            for index in range(self.n):
+                first = self.first_chunk(index)
+                if first is not None:
+                    yield _event(first)
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     timer.output(out)
-                    end = len(out.text) if out.finished else max(sent, len(out.text) - self.holdback)
-                    new_tokens = per_token and len(out.token_ids) > sent_tokens
-                    if end > sent or new_tokens:
-                        entries = out.outputs[0].logprobs
-                        yield _event(self.text_chunk(out.text[sent:end], list(out.token_ids[sent_tokens:]),
-                                                     entries[sent_tokens:] if entries is not None else None, sent))
-                        sent, sent_tokens = max(sent, end), len(out.token_ids)
+                    for c in out.outputs:
+                        i, done = c.index, c.finish_reason is not None
+                        end = len(c.text) if done else max(sent[i], len(c.text) - self.holdback)
+                        if end > sent[i] or (per_token and len(c.token_ids) > sent_tokens[i]):
+                            entries = c.logprobs[sent_tokens[i]:] if c.logprobs is not None else None
+                            prompt_ids = self.prompt_ids if sent_tokens[i] == 0 else None
+                            yield _event(self.text_chunk(i, c.text[sent[i]:end], list(c.token_ids[sent_tokens[i]:]),
+                                                         entries, sent[i], prompt_ids))
+                            sent[i], sent_tokens[i] = max(sent[i], end), len(c.token_ids)
+                        if done and not closed[i]:
+                            closed[i] = True
+                            yield _event(self.finish_chunk(i, c.finish_reason))
                     final = out
-            yield _event(self.finish_chunk(final.finish_reason))
             if self.include_usage:
-                yield _event(self.usage_chunk(Usage.of(self.num_prompt_tokens, len(final.token_ids))))
+                completion = sum(len(c.token_ids) for c in final.outputs)
+                yield _event(self.usage_chunk(Usage.of(self.num_prompt_tokens, completion)))
             yield "data: [DONE]\n\n"
         except RequestAborted as e:
             yield f"data: {json.dumps(error_body(503, str(e), code='aborted'))}\n\n"
@@ -245,15 +256,17 @@ class _SSEStream:
             if final is None or not final.finished:
                 timer.aborted()
 
-    def first_chunk(self):
+    def first_chunk(self, index: int):
         raise NotImplementedError
 
-    def text_chunk(self, text: str, token_ids: list[int], logprobs: list[dict] | None, text_start: int):
-        """A chunk of new text (from `text_start` of the whole); `token_ids`, the tokens since the last
-        chunk, go out with return_token_ids, and their `logprobs` where asked for."""
+    def text_chunk(self, index: int, text: str, token_ids: list[int], logprobs: list[dict] | None, text_start: int,
+                   prompt_ids: list[int] | None):
+        """A chunk of choice `index`'s new text (from `text_start` of its whole); `token_ids`, its tokens
+        since its last chunk, go out with return_token_ids (and the prompt's with its first), and their
+        `logprobs` where asked for."""
         raise NotImplementedError
 
-    def finish_chunk(self, reason: str):
+    def finish_chunk(self, index: int, reason: str):
         raise NotImplementedError
 
     def usage_chunk(self, usage: Usage):
@@ -264,15 +277,15 @@ class _ChatStream(_SSEStream):
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.request_id, model=self.model, choices=choices, usage=usage)
 
-    def first_chunk(self):
-        return self._chunk([ChatChunkChoice(delta=Delta(role="assistant", content=""))])
+    def first_chunk(self, index):
+        return self._chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
 
-    def text_chunk(self, text, token_ids, logprobs, text_start):
-        return self._chunk([ChatChunkChoice(delta=Delta(content=text),
+    def text_chunk(self, index, text, token_ids, logprobs, text_start, prompt_ids):
+        return self._chunk([ChatChunkChoice(index=index, delta=Delta(content=text),
                                             logprobs=chat_logprobs(token_ids, logprobs, self.num_logprobs))])
 
-    def finish_chunk(self, reason):
-        return self._chunk([ChatChunkChoice(delta=Delta(), finish_reason=reason)])
+    def finish_chunk(self, index, reason):
+        return self._chunk([ChatChunkChoice(index=index, delta=Delta(), finish_reason=reason)])
 
     def usage_chunk(self, usage):
         return self._chunk([], usage)
@@ -282,19 +295,18 @@ class _CompletionStream(_SSEStream):
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)
 
-    def first_chunk(self):
+    def first_chunk(self, index):
         return None
 
-    def text_chunk(self, text, token_ids, logprobs, text_start):
+    def text_chunk(self, index, text, token_ids, logprobs, text_start, prompt_ids):
         logprobs = completion_logprobs(token_ids, logprobs, text_start)
         if not self.return_token_ids:
-            return self._chunk([CompletionChoice(text=text, logprobs=logprobs)])
-        prompt_ids, self.unsent_prompt_ids = self.unsent_prompt_ids, None
-        return self._chunk([CompletionChoiceWithTokens(text=text, logprobs=logprobs, token_ids=token_ids,
+            return self._chunk([CompletionChoice(index=index, text=text, logprobs=logprobs)])
+        return self._chunk([CompletionChoiceWithTokens(index=index, text=text, logprobs=logprobs, token_ids=token_ids,
                                                        prompt_token_ids=prompt_ids)])
 
-    def finish_chunk(self, reason):
-        return self._chunk([CompletionChoice(text="", finish_reason=reason)])
+    def finish_chunk(self, index, reason):
+        return self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)])
 
     def usage_chunk(self, usage):
         return self._chunk([], usage)
