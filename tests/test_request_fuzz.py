@@ -30,6 +30,12 @@ SAMPLING = {
     "repetition_penalty": numbers | values, "min_p": numbers | values, "min_tokens": numbers | values,
     "logit_bias": values | st.dictionaries(st.sampled_from(["1", "7", "-3", "99999", "x"]), numbers, max_size=2),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | values}) | values,
+    "response_format": values | st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "yaml"},
+                                                 {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
+                                                 {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}]),
+    "guided_regex": values | st.sampled_from(["[0-9]+", "(", "a|b"]),
+    "guided_choice": values | st.lists(st.text(max_size=4), max_size=3),
+    "structured_outputs": values | st.sampled_from([{"json_object": True}, {"regex": "x+"}, {"bad": 1}]),
     "model": values,
 }
 COMPLETION = {**SAMPLING, "prompt": st.text(max_size=20) | token_ids | st.lists(st.text(max_size=8), max_size=2)

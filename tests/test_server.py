@@ -3,6 +3,7 @@
 import asyncio
 import http.client
 import json
+import re
 import time
 
 import pytest
@@ -84,6 +85,27 @@ def test_n_choices_streamed_or_not(client):
     assert texts[0] == texts[1] == greedy.choices[0].text
     assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1]
     assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_structured_output_response_format_and_vllms_fields(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0,
+                                                              "maximum": 10**9}},
+              "required": ["city", "population"], "additionalProperties": False}
+    out = _chat(client, "Tell me about Paris as JSON.", max_tokens=100, temperature=0,
+                response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    assert out.choices[0].finish_reason == "stop"
+    city = json.loads(out.choices[0].message.content)
+    assert set(city) == {"city", "population"} and isinstance(city["population"], int)
+    anything = _chat(client, "Describe a person as JSON with a name, an age and a city.", max_tokens=80,
+                     temperature=0, response_format={"type": "json_object"}, stream=True)
+    assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in anything if c.choices)), dict)
+    choice = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                       extra_body={"guided_choice": ["Paris", "Lyon"]})
+    assert choice.choices[0].text in ("Paris", "Lyon")
+    regex = client.completions.create(model=MODEL, prompt="A number:", max_tokens=8,
+                                      extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{4}", regex.choices[0].text)
 
 
 def test_penalties_bias_and_min_tokens_are_honoured(client):
@@ -265,13 +287,20 @@ def _long_prompt():
     (lambda c: _chat(c, "hi", presence_penalty=3), 400, "presence_penalty", "invalid_value"),
     (lambda c: _chat(c, "hi", extra_body={"repetition_penalty": 0}), 400, "repetition_penalty", "invalid_value"),
     (lambda c: _chat(c, "hi", logit_bias={"49152": 1}), 400, "logit_bias", None),
+    (lambda c: _chat(c, "hi", response_format={"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}),
+     400, "response_format", None),
+    (lambda c: _chat(c, "hi", response_format={"type": "yaml"}), 400, "response_format", "invalid_value"),
+    (lambda c: _chat(c, "hi", extra_body={"guided_regex": "(", "guided_choice": ["a"]}), 400, "guided_choice",
+     "invalid_value"),
+    (lambda c: _chat(c, "hi", extra_body={"guided_regex": "(unclosed"}), 400, "guided_regex", None),
     (lambda c: c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}]), 404,
      "model", "model_not_found"),
     (lambda c: c.completions.create(model="gpt-4o", prompt="hi"), 404, "model", "model_not_found"),
 ], ids=["wrong-type", "wrong-type-nested", "wrong-type-float", "chat-over-context", "prompt-over-context",
         "max-tokens-0", "max-tokens-negative-stream", "max-completion-tokens-0", "negative-temperature",
         "negative-temperature-stream", "n-0", "top-logprobs-alone", "top-logprobs-21", "logprobs-30",
-        "presence-penalty-3", "repetition-penalty-0", "logit-bias-outside-vocab", "unknown-model-chat",
+        "presence-penalty-3", "repetition-penalty-0", "logit-bias-outside-vocab", "bad-json-schema",
+        "response-format-yaml", "two-structured-fields", "bad-regex", "unknown-model-chat",
         "unknown-model-completions"])
 def test_bad_request_names_the_field_and_the_server_keeps_serving(client, call, status, param, code):
     with pytest.raises(openai.APIStatusError) as info:

@@ -14,6 +14,7 @@ from kiln.engine.runner import LaunchedStep, ModelRunner, SampledToken
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.sequence import Sequence
+from kiln.engine.structured_output import GrammarCompiler
 from kiln.engine.timeline import StartupTimeline
 from kiln.engine.tp_runner import TensorParallelRunner
 from kiln.loader import load_source
@@ -47,6 +48,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.source.config.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.source.config.vocab_size)
         self.seqs: dict[str, Sequence] = {}  # live sequences by seq_id
         self.requests: dict[str, list[Sequence]] = {}  # live requests: their sequences, one per choice
         self.async_scheduling = config.uses_async_scheduling
@@ -83,6 +85,9 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must lie in [0, {vocab}), got {max(params.logit_bias)}")
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError(f"structured output needs the model's tokenizer, and {self.source.name!r} has none")
+        grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs is not None else None
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1 yet (the other ranks "
                              "would have to compute the prompt's logits too); leave it out")
@@ -100,6 +105,8 @@ class LLMEngine:
                 seq.stop_ids |= self.eos_token_ids
             if index and self.config.enable_prefix_caching:
                 seq.leader = group[0]  # admitted once the first choice's prompt is in the cache
+            if grammar is not None:
+                seq.matcher = grammar.deep_copy() if index else grammar
             group.append(seq)
         self.requests[request_id] = group
         for seq in group:
@@ -127,10 +134,12 @@ class LLMEngine:
         """Schedule and run the next batch; returns the outputs of every sequence that got a
         token. With async scheduling those are the previous step's: this step is queued on the
         device first, and runs while they are read back, checked for stops and detokenized."""
+        # A grammar's mask for the next step needs the last step's token: read it first.
+        early = self.drain() if self._in_flight is not None and self._structured_in_flight() else []
         batch = self.scheduler.schedule()
         start = time.perf_counter()
         if batch is None:
-            return self.drain()
+            return early + self.drain()
         now = time.time()
         for seq in batch.seqs:
             seq.times.setdefault("scheduled", now)
@@ -150,7 +159,10 @@ class LLMEngine:
             self._advance(batch)
             outputs = self._collect(sampled, pending=False)
         self.scheduler.observe(batch, time.perf_counter() - start)
-        return outputs
+        return early + outputs
+
+    def _structured_in_flight(self) -> bool:
+        return any(s.matcher is not None and not s.finished for s in self._in_flight.seqs)
 
     def drain(self) -> list[RequestOutput]:
         """The outputs of the step in flight (async scheduling), launching nothing new."""
@@ -202,6 +214,10 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            # The mask allowed only what the grammar accepts: this is a kiln bug, not the model's.
+            raise RuntimeError(f"structured output: sequence {seq.seq_id} sampled token {token}, which its grammar "
+                               f"refuses ({seq.matcher.get_error()})")
         now = time.time()
         seq.times.setdefault("first_token", now)
         seq.times["last_token"] = now
@@ -218,6 +234,8 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop")
         elif seq.detokenizer is not None and seq.detokenizer.add(token):
             seq.stop_reason = seq.detokenizer.stopped_by
+            self.scheduler.finish(seq, "stop")
+        elif seq.matcher is not None and seq.matcher.is_stopped():  # the grammar has nothing more to say
             self.scheduler.finish(seq, "stop")
         elif seq.ends_by_length(seq.num_tokens, self.max_model_len):
             self.scheduler.finish(seq, "length")

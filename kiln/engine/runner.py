@@ -23,6 +23,7 @@ from kiln.engine.sampler import RowHistory, needs_history, sample, to_device
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
+from kiln.engine.structured_output import token_bitmask
 from kiln.engine.timeline import StartupTimeline
 from kiln.forward_context import AttentionMetadata, set_forward_context, warm_up_metadata
 from kiln.loader import ModelSource
@@ -330,7 +331,12 @@ class ModelRunner:
         params = [s.params for s in seqs]
         history = [self._history(s) for s in seqs] if any(needs_history(p) for p in params) else None
         in_flight = self._in_flight[0] if self._in_flight is not None else None
-        tokens = sample(logits, params, [s.generator for s in seqs], history, in_flight)
+        matchers = [s.matcher for s in seqs]
+        allowed = None
+        if any(m is not None for m in matchers):  # structured output: what each grammar allows next
+            allowed = token_bitmask(matchers, logits.shape[1])
+            allowed = allowed.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else allowed
+        tokens = sample(logits, params, [s.generator for s in seqs], history, in_flight, allowed)
         logprobs = None
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.structured_output import allowed_tokens
 
 
 @dataclass
@@ -37,10 +38,14 @@ class RowHistory:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           history: list[RowHistory] | None = None, in_flight: torch.Tensor | None = None) -> torch.Tensor:
+           history: list[RowHistory] | None = None, in_flight: torch.Tensor | None = None,
+           allowed: torch.Tensor | None = None) -> torch.Tensor:
     """logits [num_seqs, vocab] fp32 -> one token id per row, on logits' device. `history`
     (one per row) is needed where a row has penalties or min_tokens; `in_flight` holds the
-    tokens its `pending` indices point to."""
+    tokens its `pending` indices point to; `allowed` (structured output) is a [num_seqs,
+    vocab / 32] int32 bitmask of the tokens each row may take."""
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed_tokens(allowed, logits.shape[1]), float("-inf"))
     logits = apply_controls(logits, params, history, in_flight)
     tokens = _argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]

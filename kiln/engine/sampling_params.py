@@ -13,14 +13,15 @@ from dataclasses import dataclass, field
 
 SUPPORTED = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
              "ignore_eos", "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "prompt_logprobs")
+             "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "prompt_logprobs", "structured_outputs",
+             "guided_decoding")
 MAX_LOGPROBS = 20  # top log probabilities a token may ask for (OpenAI's limit)
 # vLLM's fields kiln does not implement yet, each with the value that leaves it off.
 MAX_N = 64  # choices a request may ask for
 UNSUPPORTED_DEFAULTS = {
     "best_of": None, "detokenize": True, "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "logits_processors": None, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None,
-    "guided_decoding": None, "structured_outputs": None, "extra_args": None,
+    "extra_args": None,
 }
 
 
@@ -100,6 +101,18 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (the top log probabilities "
                                  f"returned beside the chosen token's) or None, got {value!r}")
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.guided_decoding is not None:  # vLLM's older name
+            if self.structured_outputs is not None:
+                raise ValueError("structured_outputs and guided_decoding are the same setting (the older name); "
+                                 "give one")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.structured_outputs is not None:
+            from kiln.engine.structured_output import StructuredOutputsParams
+
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+            if self.ignore_eos:
+                raise ValueError("ignore_eos contradicts structured output: a finished document ends with EOS; "
+                                 "drop ignore_eos")
 
     @property
     def greedy(self) -> bool:

@@ -53,6 +53,7 @@ class Sequence:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         # With params.prompt_logprobs: None for the first prompt token, then one entry per token.
         self.prompt_logprobs: list[dict | None] | None = None
+        self.matcher = None  # with params.structured_outputs: its grammar's llguidance matcher
 
     @property
     def num_tokens(self) -> int:

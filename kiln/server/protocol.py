@@ -52,6 +52,14 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     n: int = 1
+    # Structured output: OpenAI's response_format ({"type": "json_object"} or {"type": "json_schema",
+    # "json_schema": {"schema": ...}}), vLLM's structured_outputs object and its older guided_* fields.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     # In OpenAI's API but not (yet) in kiln: accepted only at their neutral values, so a
     # client that asks for them gets an error instead of silently different behaviour.
@@ -123,12 +131,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # needs logprobs: true
     tools: list[dict] | None = None
-    response_format: dict | None = None
 
     return_token_ids: bool = False  # vLLM's extension; kiln has it on /v1/completions only
 
     NEUTRAL: ClassVar[dict[str, tuple]] = {**_SamplingFields.NEUTRAL, "tools": (None, []),
-                                           "response_format": (None, {"type": "text"}),
                                            "return_token_ids": (False,)}
 
     @property

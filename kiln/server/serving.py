@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kiln.engine.async_engine import AsyncEngine, EngineNotReady, RequestAborted
 from kiln.engine.outputs import RequestOutput
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.structured_output import StructuredOutputsParams
 from kiln.server.errors import APIError, error_body
 from kiln.server.metrics import RequestTimer, ServerMetrics
 from kiln.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -93,7 +94,11 @@ class OpenAIServing:
             outputs = await self.engine.add_request(prompt_ids, params, request_id)
         except ValueError as e:
             field = str(e).split()[0]  # the engine's messages start with what they are about
-            raise APIError(400, str(e), param=field if field in _SAMPLING_FIELDS else prompt_param) from None
+            if field.startswith("structured"):  # the grammar did not compile
+                field = structured_output(req)[1]
+            elif field not in _SAMPLING_FIELDS:
+                field = prompt_param
+            raise APIError(400, str(e), param=field) from None
         except EngineNotReady as e:
             raise APIError(503, str(e), code="not_ready") from None
         if req.stream:
@@ -126,7 +131,41 @@ class OpenAIServing:
         return JSONResponse(body.model_dump())
 
 
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")
+
+
+def structured_output(req) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's structured output, whichever of OpenAI's or vLLM's fields says it, and the field."""
+    given = [name for name in _STRUCTURED_FIELDS if getattr(req, name) is not None
+             and getattr(req, name) != {"type": "text"}]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise APIError(400, f"structured output is given twice ({', '.join(given)}); give one", param=given[1],
+                       code="invalid_value")
+    name, value = given[0], getattr(req, given[0])
+    try:
+        if name == "response_format":
+            kind = value.get("type")
+            if kind == "json_object":
+                return StructuredOutputsParams(json_object=True), name
+            if kind == "json_schema" and isinstance(value.get("json_schema"), dict) \
+                    and "schema" in value["json_schema"]:
+                return StructuredOutputsParams(json=value["json_schema"]["schema"]), name
+            raise ValueError(f"response_format must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or "
+                             f"{{\"type\": \"json_schema\", \"json_schema\": {{\"schema\": ...}}}}, got {value!r}")
+        if name == "structured_outputs":
+            return StructuredOutputsParams.of(value), name
+        field = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}[name]
+        return StructuredOutputsParams(**{field: value}), name
+    except ValueError as e:
+        raise APIError(400, str(e), param=name, code="invalid_value") from None
+
+
 def _sampling_params(req, max_tokens: int, max_tokens_param: str) -> SamplingParams:
+    structured, structured_param = structured_output(req)
     try:
         return SamplingParams(n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
                               top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=req.stop or [],
@@ -134,11 +173,13 @@ def _sampling_params(req, max_tokens: int, max_tokens_param: str) -> SamplingPar
                               include_stop_str_in_output=req.include_stop_str_in_output,
                               presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                               repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias,
-                              min_tokens=req.min_tokens, logprobs=req.num_logprobs)
+                              min_tokens=req.min_tokens, logprobs=req.num_logprobs, structured_outputs=structured)
     except ValueError as e:
         # SamplingParams' messages start with the field they are about.
         message = str(e)
         field = message.split()[0]
+        if field in ("structured", "ignore_eos") and structured_param is not None:
+            raise APIError(400, message, param=structured_param, code="invalid_value") from None
         if field == "max_tokens" and max_tokens_param != field:  # the request said max_completion_tokens
             message = max_tokens_param + message.removeprefix(field)
         param = max_tokens_param if field == "max_tokens" else field if field in _SAMPLING_FIELDS else None
