@@ -6,6 +6,8 @@ from kiln import logs  # noqa: E402
 
 logs.configure()
 
-from kiln.engine import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
+from kiln.engine import (LLM, CompletionOutput, GuidedDecodingParams, RequestOutput, SamplingParams,  # noqa: E402
+                         StructuredOutputsParams)
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "GuidedDecodingParams", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]
