@@ -157,3 +157,50 @@ def test_an_abort_leaves_the_blocks_a_live_sequence_shares(reference):
         engine.step()
     assert kept.token_ids[kept.num_prompt_tokens:] == alone[1]
     assert engine.scheduler.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
+
+
+def test_a_512_token_shared_prefix_is_computed_once():
+    engine_args = dict(device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=1024)
+    prefix = tokens(512, seed=11)
+    prompts = [prefix + tokens(20, seed=12), prefix + tokens(9, seed=13)]
+    plain = LLM("tiny-llama", enable_prefix_caching=False, **engine_args)
+    want = [engine_outputs(plain, [p])[0] for p in prompts]
+    llm = LLM("tiny-llama", **engine_args)
+    bm = llm.engine.scheduler.block_manager
+    assert engine_outputs(llm, [prompts[0]]) == [want[0]]
+    computed = []
+    runner = llm.engine.runner
+    launch = runner.launch
+
+    def counting(batch):
+        computed.extend(batch.num_new_tokens)
+        return launch(batch)
+
+    runner.launch = counting
+    assert engine_outputs(llm, [prompts[1]]) == [want[1]]
+    # Its first step computed only the tail: the 512 tokens (32 blocks of 16) came from the cache.
+    assert bm.stats.hits == 512 and computed[0] == len(prompts[1]) - 512
+
+
+def test_64_requests_over_4_prefixes_with_random_aborts_leak_no_block():
+    llm = LLM("tiny-llama", device="cpu", dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=128,
+              max_num_seqs=16, max_num_batched_tokens=64)
+    engine, bm = llm.engine, llm.engine.scheduler.block_manager
+    gen = torch.Generator().manual_seed(0)
+    prefixes = [tokens(24, seed=100 + i) for i in range(4)]
+    for i in range(64):
+        tail = torch.randint(3, 500, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
+        engine.add_request(prefixes[i % 4] + tail, SamplingParams(max_tokens=int(torch.randint(1, 16, (1,),
+                                                                                                generator=gen))),
+                           f"r{i}")
+    live, aborted = [f"r{i}" for i in range(64)], 0
+    while engine.has_unfinished():
+        engine.step()
+        if torch.rand(1, generator=gen).item() < 0.3:
+            running = [r for r in live if r in engine.requests]
+            if running:
+                engine.abort_request(running[int(torch.randint(len(running), (1,), generator=gen))])
+                aborted += 1
+    assert aborted > 5 and bm.stats.hits > 0 and engine.scheduler.num_preemptions > 0
+    assert bm.num_free_blocks == bm.num_blocks and sum(bm.ref_counts) == 0
+    assert not engine.requests and not engine.seqs

@@ -132,3 +132,30 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused(engines):
     with pytest.raises(ValueError, match=r"logit_bias token ids must lie in \[0, 512\)"):
         engines[False].engine.add_request(PROMPT, SamplingParams(logit_bias={512: 1.0}))
     assert SamplingParams(logit_bias={"7": 2}).logit_bias == {7: 2.0}  # OpenAI's string keys
+
+
+def test_penalties_on_fixed_logits_match_the_formula():
+    from kiln.engine.sampler import RowHistory, apply_controls
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, logit_bias={5: 1.5},
+                       min_tokens=4, stop_token_ids=[4])
+    history = [RowHistory(prompt=[0, 1], output=[3, 3, 2], pending=None, stop_ids=frozenset({4}))]
+    got = apply_controls(logits, [p], history, None)[0].tolist()
+    # bias on 5; 4 masked (3 outputs < min_tokens 4); seen tokens 0, 1, 2, 3 divided / multiplied by 2;
+    # output counts 3: 2, 2: 1 -> minus 0.5 * count and 0.25 once.
+    want = [2.0 / 2, -1.0 * 2, 0.5 / 2 - 0.5 - 0.25, 3.0 / 2 - 1.0 - 0.25, -math.inf, 1.0 + 1.5]
+    assert got == pytest.approx(want)
+    assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]]))  # the input is untouched
+
+
+def test_logprobs_equal_hf_transformers_on_smollm2(hf_smollm2):
+    llm = LLM("smollm2", device="cpu", dtype="float32")
+    prompt = llm.get_tokenizer().encode("The capital of France is")
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, logprobs=5, prompt_logprobs=5))[0]
+    with torch.no_grad():
+        reference = hf_smollm2(torch.tensor([prompt + out.token_ids])).logits[0].float().log_softmax(dim=-1)
+    for step, (token, entry) in enumerate(zip(out.token_ids, out.outputs[0].logprobs)):
+        assert abs(entry[token].logprob - reference[len(prompt) - 1 + step][token].item()) < 1e-4
+    for position, entry in enumerate(out.prompt_logprobs[1:], 1):
+        assert abs(entry[prompt[position]].logprob - reference[position - 1][prompt[position]].item()) < 1e-4

@@ -4,6 +4,7 @@ synchronous engine and with async scheduling (which then reads each step's token
 scheduling the next), for n > 1 too; a bad grammar or a contradiction is refused up front."""
 
 import json
+import random
 import re
 
 import pytest
@@ -82,3 +83,29 @@ def test_contradictions_are_refused():
     tiny = LLM("tiny-llama", device="cpu", num_kv_blocks=16, max_model_len=64)
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
         tiny.engine.add_request([1, 2, 3], SamplingParams(structured_outputs={"regex": "a"}))
+
+
+def random_schema(rng: random.Random) -> dict:
+    """An object of 1-4 required properties: bounded strings and integers, booleans, enums, short arrays."""
+    kinds = [lambda: {"type": "string", "maxLength": rng.randint(1, 10)},
+             lambda: {"type": "integer", "minimum": -rng.randint(0, 99), "maximum": rng.randint(0, 999)},
+             lambda: {"type": "boolean"},
+             lambda: {"enum": rng.sample(["red", "green", "blue", "cyan", "amber"], rng.randint(1, 4))},
+             lambda: {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                      "minItems": 1, "maxItems": 3}]
+    names = rng.sample(["id", "name", "size", "ok", "colour", "tags", "count"], rng.randint(1, 4))
+    return {"type": "object", "properties": {n: rng.choice(kinds)() for n in names}, "required": names,
+            "additionalProperties": False}
+
+
+def test_twenty_random_schemas_validate_with_jsonschema(engines):
+    jsonschema = pytest.importorskip("jsonschema")
+    rng = random.Random(0)
+    schemas = [random_schema(rng) for _ in range(20)]
+    ask = [[{"role": "user", "content": f"Fill in this JSON: {', '.join(s['properties'])}."}] for s in schemas]
+    params = [SamplingParams(max_tokens=120, temperature=0.7, seed=i, structured_outputs={"json": s})
+              for i, s in enumerate(schemas)]
+    outs = engines[True].chat(ask, params)
+    for schema, out in zip(schemas, outs):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)

@@ -18,6 +18,12 @@ from dataclasses import dataclass
 import torch
 
 
+# JSON as json.dumps writes it, with no free whitespace: with it, a small model can pad a document
+# with newlines and tabs until max_tokens (seen with SmolLM2). A schema's "x-guidance" object
+# overrides these (e.g. {"whitespace_flexible": true}).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 @dataclass
 class StructuredOutputsParams:
     """What the output must match (vLLM's StructuredOutputsParams; its older name is
@@ -64,9 +70,10 @@ class StructuredOutputsParams:
         from llguidance import LLMatcher
 
         if self.json_object:
-            return LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}))
+            return LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}), defaults=JSON_LAYOUT)
         if self.json is not None:
-            return LLMatcher.grammar_from_json_schema(self.json if isinstance(self.json, str) else json.dumps(self.json))
+            schema = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         if self.regex is not None:
             return LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
