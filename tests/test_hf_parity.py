@@ -41,3 +41,43 @@ def _hf_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
         tokens.append(out.logits[0, -1].argmax().item())
         out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens
+
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+def _saved(tmp_path, config_class: str, model_class: str, **settings):
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**TINY, **settings)
+    model = getattr(transformers, model_class)(config).eval()
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def test_mistral_without_a_window_matches_transformers(tmp_path):
+    from kiln import LLM
+
+    hf = _saved(tmp_path, "MistralConfig", "MistralForCausalLM", sliding_window=None)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64)
+    prompt = torch.randint(3, 256, (17,), generator=torch.Generator().manual_seed(2)).tolist()
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == _hf_greedy(hf, prompt, 12)
+
+
+def test_a_checkpoint_kiln_cannot_run_exactly_is_refused_naming_the_setting(tmp_path):
+    import pytest
+
+    from kiln import LLM
+
+    for i, (config_class, model_class, settings, named) in enumerate([
+            ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}, "sliding_window=8"),
+            ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True}, "attention_bias=true"),
+            ("LlamaConfig", "LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act='gelu'")]):
+        folder = tmp_path / str(i)
+        _saved(folder, config_class, model_class, **settings)
+        with pytest.raises(ValueError, match=f"kiln cannot run this checkpoint exactly.*{named}"):
+            LLM(str(folder), device="cpu")

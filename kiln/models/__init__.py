@@ -14,7 +14,8 @@ from kiln.ops import enabled_custom_ops
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,  # same layers when sliding window is off
+    # Llama's layers; a sliding window is refused when the config is read (models.config).
+    "MistralForCausalLM": LlamaForCausalLM,
 }
 
 

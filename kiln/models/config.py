@@ -30,7 +30,9 @@ class ModelArchConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelArchConfig":
-        """From a transformers config.json dict."""
+        """From a transformers config.json dict. A setting that changes what the model computes
+        and that kiln does not implement is refused here, naming it: never approximated."""
+        _refuse_unimplemented(hf)
         archs = hf.get("architectures") or [hf.get("model_type", "?")]
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
@@ -70,6 +72,26 @@ class ModelArchConfig:
         if self.eos_token_ids:
             out["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
         return out
+
+
+def _refuse_unimplemented(hf: dict) -> None:
+    """config.json settings that change the model's output and that kiln's layers do not have."""
+    problems = []
+    window = hf.get("sliding_window")
+    context = hf.get("max_position_embeddings", 4096)
+    if window is not None and hf.get("use_sliding_window", True) and window < context:
+        problems.append(f"sliding_window={window} (attention over the last {window} tokens only; kiln attends "
+                        f"to the whole context, which gives other tokens once a sequence is longer)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            problems.append(f"{flag}=true (kiln's projections have no bias)")
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act != "silu":
+        problems.append(f"hidden_act={act!r} (kiln's MLP is SiLU-gated)")
+    if problems:
+        name = (hf.get("architectures") or [hf.get("model_type", "this model")])[0]
+        raise ValueError(f"{name}: kiln cannot run this checkpoint exactly, so it refuses it: "
+                         f"{'; '.join(problems)}")
 
 
 def _rope_scaling(hf: dict) -> dict | None:
