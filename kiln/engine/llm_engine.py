@@ -215,9 +215,12 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
         if seq.matcher is not None and not seq.matcher.consume_token(token):
-            # The mask allowed only what the grammar accepts: this is a kiln bug, not the model's.
-            raise RuntimeError(f"structured output: sequence {seq.seq_id} sampled token {token}, which its grammar "
-                               f"refuses ({seq.matcher.get_error()})")
+            # The mask allows only what the grammar accepts (or, with every token refused, the row's
+            # argmax is token 0): end this sequence, not the engine.
+            logger.error("structured output: sequence %s sampled token %d, which its grammar refuses (%s); "
+                         "ending it", seq.seq_id, token, seq.matcher.get_error())
+            self.scheduler.finish(seq, "abort")
+            return
         now = time.time()
         seq.times.setdefault("first_token", now)
         seq.times["last_token"] = now

@@ -322,7 +322,7 @@ class ModelRunner:
         seqs = step.sample_seqs
         if not seqs:
             self._in_flight = None
-            return LaunchedStep([], None, None, prompt_logprobs=prompt_logprobs)
+            return LaunchedStep.of([], torch.empty(0, dtype=torch.long, device=self.device), None, prompt_logprobs)
         if step.sample_rows == list(range(len(seqs))):  # a decode batch samples every row
             hidden = hidden[: len(seqs)]
         else:
