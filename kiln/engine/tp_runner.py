@@ -86,7 +86,7 @@ class _StepSequence:
         self.block_table = step.block_table
         self._num_tokens = step.num_tokens
         self.num_pending_tokens = 0  # tensor parallelism runs without async scheduling
-        self.params, self.generator = _GREEDY, None
+        self.params, self.generator, self.matcher = _GREEDY, None, None
 
     @property
     def num_tokens(self) -> int:
