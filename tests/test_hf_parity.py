@@ -1,5 +1,7 @@
-"""kiln's SmolLM2 against transformers' Llama on the same weights (fp32, CPU)."""
+"""kiln against transformers on the same weights (fp32, CPU): SmolLM2 (Llama), and tiny random
+Mistral, Qwen2 and Qwen3 checkpoints saved with save_pretrained; what kiln cannot run is refused."""
 
+import pytest
 import torch
 
 from kiln import SamplingParams
@@ -48,8 +50,6 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def _saved(tmp_path, config_class: str, model_class: str, **settings):
-    import pytest
-
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**TINY, **settings)
@@ -69,8 +69,6 @@ def test_mistral_without_a_window_matches_transformers(tmp_path):
 
 
 def test_a_checkpoint_kiln_cannot_run_exactly_is_refused_naming_the_setting(tmp_path):
-    import pytest
-
     from kiln import LLM
 
     for i, (config_class, model_class, settings, named) in enumerate([
@@ -81,3 +79,32 @@ def test_a_checkpoint_kiln_cannot_run_exactly_is_refused_naming_the_setting(tmp_
         _saved(folder, config_class, model_class, **settings)
         with pytest.raises(ValueError, match=f"kiln cannot run this checkpoint exactly.*{named}"):
             LLM(str(folder), device="cpu")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("config_class, model_class, settings", [
+    ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
+    ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False}),
+])
+@pytest.mark.parametrize("level", [0, 2])
+def test_qwen_families_match_transformers(tmp_path, config_class, model_class, settings, level):
+    from kiln import LLM
+
+    hf = _saved(tmp_path, config_class, model_class, **settings)
+    with torch.no_grad():  # the families' own parameters are not all-zero: biases, per-head norms
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "q_norm" in name or "k_norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.5)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64, compilation_config=level)
+    prompt = _prompt(19, seed=3)
+    model = llm.engine.runner.model
+    with torch.inference_mode(), set_forward_context(None, {}):
+        ours = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt))))
+        theirs = hf(torch.tensor([prompt])).logits[0]
+    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-4
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == _hf_greedy(hf, prompt, 12)

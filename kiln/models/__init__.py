@@ -16,6 +16,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     # Llama's layers; a sliding window is refused when the config is read (models.config).
     "MistralForCausalLM": LlamaForCausalLM,
+    # Llama's layers with the config's qkv_bias (Qwen2) or per-head q/k norms (Qwen3), set by
+    # ModelArchConfig.from_hf from the architecture.
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
 }
 
 
@@ -58,7 +62,9 @@ def _init_random(model: nn.Module) -> None:
     modules = dict(model.named_modules())
     for name, p in model.named_parameters():
         owner = modules[name.rpartition(".")[0]]
-        if p.dim() == 1:
+        if name.endswith(".bias"):
+            p.zero_()
+        elif p.dim() == 1:
             p.fill_(1.0)
         elif p.is_cuda:
             # Fill on the device: an 8B model drawn on the host would take minutes.

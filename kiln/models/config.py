@@ -22,6 +22,8 @@ class ModelArchConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -53,6 +55,8 @@ class ModelArchConfig:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
+            qkv_bias=archs[0] == "Qwen2ForCausalLM",
+            qk_norm=archs[0] == "Qwen3ForCausalLM",
         )
 
     def to_hf(self) -> dict:

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2, 3, 3.1, SmolLM2, and other checkpoints of the same shape).
+"""The Llama family (Llama 2, 3, 3.1, SmolLM2, Mistral without a window, and Qwen2 and Qwen3:
+Llama's layers with q/k/v biases, or with per-head q/k norms).
 
 Tokens of every sequence in a step are packed along one dim: input_ids and positions are
 [num_tokens], hidden states [num_tokens, hidden]. Attention finds each token's sequence
@@ -56,13 +57,21 @@ class LlamaAttention(nn.Module):
         num_kv_heads = per_rank(cfg.num_kv_heads, "num_kv_heads", size)
         self.q_size, self.kv_size = num_heads * cfg.head_dim, num_kv_heads * cfg.head_dim
         q_full, kv_full = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_full, kv_full, kv_full], what="attention heads")
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_full, kv_full, kv_full], what="attention heads",
+                                             bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(q_full, cfg.hidden_size, what="attention heads")
+        self.head_dim = cfg.head_dim
+        # Qwen3: an RMSNorm over each head of q and of k, before the rotation.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary_emb = rotary
         self.attn = Attention(num_heads, num_kv_heads, cfg.head_dim, layer_name)
 
     def forward(self, positions, x):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         if self.rotary_emb.uses_kernel:  # the rotary kernel rotates inside the KV write's launch
             return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb.cos_sin_cache))
         q, k = self.rotary_emb(positions, q, k)
@@ -171,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
             owner = modules[target.rpartition(".")[0]]
             if isinstance(owner, ShardedLayer):
                 try:
-                    owner.load_weight(tensor, shard)
+                    (owner.load_bias if target.endswith(".bias") else owner.load_weight)(tensor, shard)
                 except ValueError as e:
                     raise ValueError(f"{ckpt_name} -> {target}: {e}") from None
             elif tuple(params[target].shape) != tuple(tensor.shape):

@@ -52,7 +52,7 @@ class ColumnParallelLinear(ShardedLayer):
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], gather_output: bool = False,
-                 what: str = "output features"):
+                 what: str = "output features", bias: bool = False):
         super().__init__()
         tp = tp_state()
         self.tp = tp
@@ -60,27 +60,37 @@ class ColumnParallelLinear(ShardedLayer):
         self.shard_sizes = [per_rank(s, what, tp.size) for s in output_sizes]
         self.full_weight_shape = (sum(output_sizes), input_size)
         self.weight = nn.Parameter(torch.empty(sum(self.shard_sizes), input_size))
+        # A bias (Qwen2's q/k/v) is split like the rows it adds to.
+        self.bias = nn.Parameter(torch.empty(sum(self.shard_sizes))) if bias else None
         self.gather_output = gather_output and tp.size > 1
         self.matmul = linear_matmul()
 
     def load_weight(self, full: torch.Tensor, part: int | None = None) -> None:
         """Keep this rank's rows of `full`: the whole fused weight, or output `part` of it."""
+        self._load(self.weight, full, part, self.full_weight_shape[1:])
+
+    def load_bias(self, full: torch.Tensor, part: int | None = None) -> None:
+        self._load(self.bias, full, part, ())
+
+    def _load(self, param: nn.Parameter, full: torch.Tensor, part: int | None, row_shape: tuple) -> None:
         if part is None:
-            _check_shape(full, self.full_weight_shape)
+            _check_shape(full, (sum(self.output_sizes), *row_shape))
             parts = list(enumerate(full.split(self.output_sizes)))
         else:
             parts = [(part, full)]
         for i, source in parts:
-            _check_shape(source, (self.output_sizes[i], self.full_weight_shape[1]))
+            _check_shape(source, (self.output_sizes[i], *row_shape))
             rows = self.shard_sizes[i]
             mine = source.narrow(0, self.tp.rank * rows, rows)
             if len(self.output_sizes) == 1:
-                store(self.weight, mine)
+                store(param, mine)
             else:
-                self.weight.data.narrow(0, sum(self.shard_sizes[:i]), rows).copy_(mine)
+                param.data.narrow(0, sum(self.shard_sizes[:i]), rows).copy_(mine)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
         if not self.gather_output:
             return y
         # all_gather stacks the ranks' [tokens, features / size] slices along dim 0;

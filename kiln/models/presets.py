@@ -30,6 +30,16 @@ PRESETS: dict[str, ModelArchConfig] = {
         "LlamaForCausalLM", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
         num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
         rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=128000, eos_token_ids=(128001, 128009)),
+    "qwen2.5-7b": ModelArchConfig(
+        "Qwen2ForCausalLM", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+        num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, eos_token_ids=(151645, 151643),
+        qkv_bias=True),
+    "qwen3-8b": ModelArchConfig(
+        "Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, eos_token_ids=(151645, 151643),
+        qk_norm=True),
     # A few-layer model for fast tests of anything that compiles.
     "tiny-llama": ModelArchConfig(
         "LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
