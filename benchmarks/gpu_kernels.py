@@ -142,9 +142,9 @@ class PagedBatch:
         paged_attention(self.query, self.kv_cache, out, self.meta, self.scale, **kwargs)
         return out
 
-    def run_reference(self) -> torch.Tensor:
+    def run_reference(self, window: int = 0) -> torch.Tensor:
         out = torch.full(self.query.shape, float("nan"), device=DEVICE)
-        paged_attention_reference(self.query.float(), self.kv_cache.float(), out, self.meta, self.scale)
+        paged_attention_reference(self.query.float(), self.kv_cache.float(), out, self.meta, self.scale, window)
         return out
 
     def rows_of(self, i: int) -> slice:
@@ -171,19 +171,24 @@ def check_attention_sweep(deadline: float) -> tuple[list[dict], list[str]]:
                     skipped.append(label)
                     continue
                 batch = PagedBatch([(q, s) for _, q, s in roles], num_heads, num_kv_heads, head_dim, block_size)
-                reference = batch.run_reference()
-                variants = {choose_kv_splits(batch.meta, num_kv_heads, batch.query.device): batch.run_kernel()}
+                references = {0: batch.run_reference()}
+                splits = choose_kv_splits(batch.meta, num_kv_heads, batch.query.device)
+                variants = {(splits, 0): batch.run_kernel()}
                 if kind == "decode" and block_size == 16:  # also the unsplit decode path
-                    variants[1] = batch.run_kernel(kv_splits=1)
-                for splits, out in variants.items():
+                    variants[(1, 0)] = batch.run_kernel(kv_splits=1)
+                if block_size == 16 and (num_heads, num_kv_heads, head_dim) == HEAD_SHAPES[0]:
+                    for window in (1, 100):  # Mistral's sliding window, shorter than most contexts here
+                        references[window] = batch.run_reference(window)
+                        variants[(splits, window)] = batch.run_kernel(window=window)
+                for (splits, window), out in variants.items():
                     padding_untouched = bool(out[batch.meta.num_actual_tokens:].isnan().all().item())
                     for i, (role, q_len, seq_len) in enumerate(roles):
                         rows = batch.rows_of(i)
                         results.append({
                             "kind": kind, "role": role, "block_size": block_size, "num_heads": num_heads,
                             "num_kv_heads": num_kv_heads, "head_dim": head_dim, "query_len": q_len,
-                            "seq_len": seq_len, "kv_splits": splits, "padding_untouched": padding_untouched,
-                            **errors(out[rows], reference[rows]),
+                            "seq_len": seq_len, "kv_splits": splits, "window": window,
+                            "padding_untouched": padding_untouched, **errors(out[rows], references[window][rows]),
                         })
     return results, skipped
 

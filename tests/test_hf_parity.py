@@ -58,11 +58,15 @@ def _saved(tmp_path, config_class: str, model_class: str, **settings):
     return model
 
 
-def test_mistral_without_a_window_matches_transformers(tmp_path):
+@pytest.mark.parametrize("window, level", [(None, 0), (8, 0), (8, 2)])
+def test_mistral_matches_transformers_past_its_window(tmp_path, window, level):
     from kiln import LLM
 
-    hf = _saved(tmp_path, "MistralConfig", "MistralForCausalLM", sliding_window=None)
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64)
+    hf = _saved(tmp_path, "MistralConfig", "MistralForCausalLM", sliding_window=window)
+    # Blocks of 4 and chunks of 8: the window crosses blocks and prefill chunks.
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64, block_size=4,
+              max_num_batched_tokens=8, compilation_config=level)
+    assert llm.engine.runner.model.model.layers[0].self_attn.attn.window == (window or 0)
     prompt = torch.randint(3, 256, (17,), generator=torch.Generator().manual_seed(2)).tolist()
     out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == _hf_greedy(hf, prompt, 12)
@@ -72,7 +76,8 @@ def test_a_checkpoint_kiln_cannot_run_exactly_is_refused_naming_the_setting(tmp_
     from kiln import LLM
 
     for i, (config_class, model_class, settings, named) in enumerate([
-            ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}, "sliding_window=8"),
+            ("Qwen2Config", "Qwen2ForCausalLM", {"sliding_window": 8, "use_sliding_window": True,
+                                                 "max_window_layers": 1}, "sliding_window=8"),
             ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True}, "attention_bias=true"),
             ("LlamaConfig", "LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act='gelu'")]):
         folder = tmp_path / str(i)

@@ -409,11 +409,11 @@ class PagedBatch:
             seq_lens_cpu=list(seq_lens), query_start_loc_cpu=starts,
         )
 
-    def reference_output(self, kv_cache=None):
+    def reference_output(self, kv_cache=None, window: int = 0):
         """fp32 attention on the same (rounded) inputs; padding rows stay NaN."""
         kv_cache = self.kv_cache if kv_cache is None else kv_cache
         out = torch.full(self.query.shape, float("nan"), device=DEVICE)
-        paged_attention_reference(self.query.float(), kv_cache.float(), out, self.meta, self.scale)
+        paged_attention_reference(self.query.float(), kv_cache.float(), out, self.meta, self.scale, window)
         return out
 
     def kernel_output(self, kv_cache=None, **kwargs):
@@ -480,6 +480,17 @@ def test_paged_attention_split_kv(shape, kv_splits):
     for _ in range(2):  # the second launch finds the counters the first left
         assert_attention_matches(batch, batch.kernel_output(kv_splits=kv_splits), batch.reference_output())
         assert not attention._merge_counters(batch.query.device).any()
+
+
+@pytest.mark.parametrize("kv_splits", [1, 4])
+@pytest.mark.parametrize("window", [1, 7, 40])
+@pytest.mark.parametrize("shape", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_paged_attention_sliding_window(shape, window, kv_splits):
+    """Each query sees its last `window` positions only (itself included), split or not."""
+    batch = PagedBatch(**shape, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
+    expected = batch.reference_output(window=window)
+    assert not torch.allclose(expected[:batch.num_actual_tokens], batch.reference_output()[:batch.num_actual_tokens])
+    assert_attention_matches(batch, batch.kernel_output(window=window, kv_splits=kv_splits), expected)
 
 
 def test_paged_attention_long_decode_splits_automatically():

@@ -14,7 +14,7 @@ from kiln.ops import enabled_custom_ops
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    # Llama's layers; a sliding window is refused when the config is read (models.config).
+    # Llama's layers; its sliding window is an argument of the attention op (ModelArchConfig.sliding_window).
     "MistralForCausalLM": LlamaForCausalLM,
     # Llama's layers with the config's qkv_bias (Qwen2) or per-head q/k norms (Qwen3), set by
     # ModelArchConfig.from_hf from the architecture.

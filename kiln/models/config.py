@@ -24,6 +24,7 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...] = ()
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k
+    sliding_window: int = 0  # Mistral: each token attends to its last this many positions; 0: all
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -57,6 +58,7 @@ class ModelArchConfig:
             eos_token_ids=eos,
             qkv_bias=archs[0] == "Qwen2ForCausalLM",
             qk_norm=archs[0] == "Qwen3ForCausalLM",
+            sliding_window=_sliding_window(hf) or 0,
         )
 
     def to_hf(self) -> dict:
@@ -78,14 +80,23 @@ class ModelArchConfig:
         return out
 
 
+def _sliding_window(hf: dict) -> int | None:
+    """The window every layer attends over, if the config sets one shorter than the context."""
+    window = hf.get("sliding_window")
+    if window is None or not hf.get("use_sliding_window", True) or window >= hf.get("max_position_embeddings", 4096):
+        return None
+    return window
+
+
 def _refuse_unimplemented(hf: dict) -> None:
     """config.json settings that change the model's output and that kiln's layers do not have."""
     problems = []
-    window = hf.get("sliding_window")
-    context = hf.get("max_position_embeddings", 4096)
-    if window is not None and hf.get("use_sliding_window", True) and window < context:
-        problems.append(f"sliding_window={window} (attention over the last {window} tokens only; kiln attends "
-                        f"to the whole context, which gives other tokens once a sequence is longer)")
+    arch = (hf.get("architectures") or [hf.get("model_type", "?")])[0]
+    window = _sliding_window(hf)
+    if window is not None and arch not in ("MistralForCausalLM", "LlamaForCausalLM"):
+        # Qwen2's window applies from layer max_window_layers on: a per-layer window kiln lacks.
+        problems.append(f"sliding_window={window} with use_sliding_window (kiln has Mistral's window, the same "
+                        f"in every layer; {arch}'s depends on the layer)")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             problems.append(f"{flag}=true (kiln's projections have no bias)")

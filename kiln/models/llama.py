@@ -1,5 +1,5 @@
-"""The Llama family (Llama 2, 3, 3.1, SmolLM2, Mistral without a window, and Qwen2 and Qwen3:
-Llama's layers with q/k/v biases, or with per-head q/k norms).
+"""The Llama family (Llama 2, 3, 3.1, SmolLM2, Mistral with its sliding window, and Qwen2 and
+Qwen3: Llama's layers with q/k/v biases, or with per-head q/k norms).
 
 Tokens of every sequence in a step are packed along one dim: input_ids and positions are
 [num_tokens], hidden states [num_tokens, hidden]. Attention finds each token's sequence
@@ -65,7 +65,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary_emb = rotary
-        self.attn = Attention(num_heads, num_kv_heads, cfg.head_dim, layer_name)
+        self.attn = Attention(num_heads, num_kv_heads, cfg.head_dim, layer_name, cfg.sliding_window)
 
     def forward(self, positions, x):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -41,10 +41,11 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend(q, query_pos, key_begin, key_end, block_table_ptr, key_cache_ptr, value_cache_ptr,
-            cache_block_stride, cache_slot_stride, block_size, scale_log2, HEAD_DIM: tl.constexpr,
+            cache_block_stride, cache_slot_stride, block_size, scale_log2, window, HEAD_DIM: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DIM: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
-    """Online softmax of q [BLOCK_M, BLOCK_DIM] over keys [key_begin, key_end), causal by query_pos.
+            DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Online softmax of q [BLOCK_M, BLOCK_DIM] over keys [key_begin, key_end), causal by query_pos
+    (and with HAS_WINDOW over each query's last `window` positions only).
 
     key_cache_ptr / value_cache_ptr already point at this program's kv head. Returns the
     unnormalised (acc, row_max, row_sum), scores in log2 units; a row that saw no key has
@@ -65,6 +66,8 @@ def _attend(q, query_pos, key_begin, key_end, block_table_ptr, key_cache_ptr, va
                       mask=in_range[None, :] & dim_mask[:, None], other=0.0)
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
         visible = in_range[None, :] & (keys[None, :] <= query_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] > query_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         # A row with nothing visible yet keeps max -inf; subtract 0 then, not -inf (inf - inf = nan).
@@ -86,10 +89,10 @@ def paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, counter_ptr, num_seqs, scale_log2,
     query_token_stride, query_head_stride, out_token_stride, out_head_stride, block_table_stride,
-    cache_block_stride, cache_slot_stride, cache_head_stride, block_size,
+    cache_block_stride, cache_slot_stride, cache_head_stride, block_size, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_DIM: tl.constexpr, KV_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ONE_QUERY: tl.constexpr,
+    ONE_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,8 +131,8 @@ def paged_attention_kernel(
     acc, row_max, row_sum = _attend(
         q, query_pos, key_begin, key_end, block_tables_ptr + seq * block_table_stride,
         key_cache_ptr + kv_head * cache_head_stride, value_cache_ptr + kv_head * cache_head_stride,
-        cache_block_stride, cache_slot_stride, block_size, scale_log2,
-        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_DIM, DOT_PRECISION,
+        cache_block_stride, cache_slot_stride, block_size, scale_log2, window,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_DIM, DOT_PRECISION, HAS_WINDOW,
     )
     if KV_SPLITS == 1:
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
@@ -152,7 +155,8 @@ def paged_attention_kernel(
                                 other=0.0, cache_modifier=".cg")
             split_sum = tl.load(partial_sum_ptr + first_row[:, None] + splits[None, :], mask=row_valid[:, None],
                                 other=0.0, cache_modifier=".cg")
-            # Every row sees key 0 in split 0, so its max is finite; empty splits weigh 0.
+            # Every row sees itself, so some split's max is finite; splits that saw nothing (before
+            # a window, or past the end) weigh 0.
             top = tl.max(split_max, axis=1)
             total = tl.sum(split_sum * tl.exp2(split_max - top[:, None]), axis=1)
             merged = tl.zeros([BLOCK_M, BLOCK_DIM], dtype=tl.float32)
