@@ -30,6 +30,10 @@ PRESETS: dict[str, ModelArchConfig] = {
         "LlamaForCausalLM", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
         num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
         rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=128000, eos_token_ids=(128001, 128009)),
+    "mistral-7b": ModelArchConfig(  # v0.1, with its 4,096-token window
+        "MistralForCausalLM", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_ids=(2,), sliding_window=4096),
     "qwen2.5-7b": ModelArchConfig(
         "Qwen2ForCausalLM", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
         num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, max_position_embeddings=32768,
