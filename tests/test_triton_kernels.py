@@ -619,17 +619,19 @@ def _compile_all_for_sm90() -> None:
         query_start_loc_ptr="*i32", partial_acc_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
         counter_ptr="*i32", num_seqs=i32, scale_log2=f32, query_token_stride=i32, query_head_stride=i32,
         out_token_stride=i32, out_head_stride=i32, block_table_stride=i32, cache_block_stride=i32, cache_slot_stride=i32,
-        cache_head_stride=i32, block_size=i32,
+        cache_head_stride=i32, block_size=i32, window=i32,
     )
-    # Decode split and not (the tiles of small and large batches), prefill, fp32.
-    for dtype, group, head_dim, block_m, block_n, splits, one_query, stages in [
-            ("bf16", 4, 128, 16, 128, 8, True, 3), ("bf16", 4, 128, 16, 64, 1, True, 2),
-            ("bf16", 3, 64, 64, 64, 1, False, 3), ("fp32", 1, 128, 64, 64, 1, False, 3)]:
+    # Decode split and not (the tiles of small and large batches), prefill, fp32; windowed decode and prefill.
+    for dtype, group, head_dim, block_m, block_n, splits, one_query, stages, window in [
+            ("bf16", 4, 128, 16, 128, 8, True, 3, False), ("bf16", 4, 128, 16, 64, 1, True, 2, False),
+            ("bf16", 3, 64, 64, 64, 1, False, 3, False), ("fp32", 1, 128, 64, 64, 1, False, 3, False),
+            ("bf16", 4, 128, 16, 128, 8, True, 3, True), ("bf16", 4, 128, 64, 64, 1, False, 3, True)]:
         pointer = "*" + dtype
         build(attention.paged_attention_kernel,
               dict(attention_args, query_ptr=pointer, key_cache_ptr=pointer, value_cache_ptr=pointer, out_ptr=pointer),
               dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DIM=head_dim,
-                   KV_SPLITS=splits, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", ONE_QUERY=one_query),
+                   KV_SPLITS=splits, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", ONE_QUERY=one_query,
+                   HAS_WINDOW=window),
               4, stages)
     # Every GEMV config the autotuner may pick at Llama-3-8B shapes, at every padded row count.
     gemv_args = dict(x_ptr=bf16, w_ptr=bf16, out_ptr=bf16, ws_ptr="*fp32", counter_ptr="*i32", M=i32, N=i32,
