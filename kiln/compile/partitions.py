@@ -58,19 +58,18 @@ class Partitions:
         for slot in self.slots:
             slot.run = wrapper(slot.fn) if wrapper is not None else slot.fn
 
-    def installed(self) -> contextlib.AbstractContextManager:
-        return installed(self._hook)
 
-
-def inductor_scope(settings: dict, partitions: Partitions | None = None) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def inductor_scope(settings: dict, partitions: Partitions | None = None):
     """Around a compile or load of one of kiln's pieces: Inductor's settings for it and, where
     Inductor partitions at the split ops, the hook (`partitions`', or generate_only where no
     caller wraps them)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch._inductor.config.patch(settings))
-    if settings.get("graph_partition") and settings.get("custom_should_partition_ops"):
-        stack.enter_context(installed(partitions._hook if partitions is not None else generate_only))
-    return stack
+    with torch._inductor.config.patch(settings):
+        if not (settings.get("graph_partition") and settings.get("custom_should_partition_ops")):
+            yield
+            return
+        with installed(partitions._hook if partitions is not None else generate_only):
+            yield
 
 
 def generate_only(fn: Callable, metadata) -> Callable:
