@@ -7,8 +7,9 @@ depend on all the tokens before it. A new sequence whose prompt starts with cach
 shares them (reference counts) and computes only the rest. A block nobody references any
 more keeps its content in an LRU pool and is handed out again, its key dropped, only when
 no never-used block is left: until then another request with the same prefix can take it
-back. The hash is Python's of a tuple of ints (no randomisation); a hit is confirmed
-against the block's own tokens, so a collision costs a recompute, never wrong tokens.
+back. The hash is Python's 64-bit hash of a tuple of ints (no randomisation); a hit is also
+checked against the block's own tokens, so only a collision of the chained hash between two
+different prefixes that end in the same block of tokens could share a wrong block.
 """
 
 from __future__ import annotations
