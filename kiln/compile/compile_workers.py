@@ -145,7 +145,6 @@ def op_modules(graph) -> list[str]:
 
 
 def _compile(job: PieceJob) -> PieceResult:
-    import torch._inductor.config
     from torch._dynamo.utils import counters
 
     from kiln.compile.inductor_piece import compile_piece, specialise
