@@ -27,7 +27,8 @@ DEFAULT_GPU_GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
 # Every op with a kernel path beside its native one (kiln.ops). Each CustomOp subclass lists
 # the names it answers to, and one not declared here fails when its module is imported, so
 # this list and the ops cannot drift apart.
-CUSTOM_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "skinny_linear")
+CUSTOM_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding",
+              "skinny_linear")
 CUSTOM_OP_BASES = ("all", "none")
 CUSTOM_OPS_EXAMPLE = '["none", "+rms_norm"]'
 CPU_STEP_SECONDS = 1.0  # max_step_seconds' default on the CPU

@@ -13,8 +13,8 @@ from kiln.ops.rotary import rope_inv_freq
 
 
 def test_custom_ops_lists():
-    assert set(known_ops()) == {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
-                                "skinny_linear"}
+    assert set(known_ops()) == {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul",
+                                "rotary_embedding", "skinny_linear"}
     assert resolve_custom_ops([], "none") == frozenset()
     assert resolve_custom_ops([], "all") == frozenset(known_ops())
     assert resolve_custom_ops(["none", "+rms_norm"], "all") == {"rms_norm"}

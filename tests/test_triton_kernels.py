@@ -26,11 +26,11 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from kiln.forward_context import AttentionMetadata  # noqa: E402
-from kiln.ops.activation import silu_and_mul_native  # noqa: E402
+from kiln.ops.activation import gelu_tanh_and_mul_native, silu_and_mul_native  # noqa: E402
 from kiln.ops.attention_reference import paged_attention_reference, write_kv_reference  # noqa: E402
 from kiln.ops.norm import fused_add_rms_norm_native, rms_norm_native  # noqa: E402
 from kiln.ops.rotary import rope_cos_sin_cache, rotary_native  # noqa: E402
-from kiln.ops.triton.activation import silu_and_mul  # noqa: E402
+from kiln.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul  # noqa: E402
 from kiln.ops.triton.attention import choose_tiles, paged_attention, write_kv  # noqa: E402
 from kiln.ops.triton import gemv  # noqa: E402
 from kiln.ops.triton.norm import fused_add_rms_norm, rms_norm  # noqa: E402
@@ -127,6 +127,20 @@ def test_fused_add_rms_norm(shape, dtype, poisoned_empty):
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_unit_offset_rms_norms(dtype, poisoned_empty):
+    """Gemma's norms: scaled by 1 + weight in fp32, rounded once, in the input's dtype."""
+    x, residual, weight = randn(5, 3, 100, dtype=dtype), randn(5, 3, 100, dtype=dtype), randn(100, dtype=dtype)
+    expected = rms_norm_native(x, weight, 1e-6, unit_offset=True)
+    assert expected.dtype == dtype
+    assert not torch.allclose(expected.float(), rms_norm_native(x, weight, 1e-6).float(), atol=1e-2)
+    assert_close(rms_norm(x, weight, 1e-6, unit_offset=True), expected, dtype)
+    out, new_residual = fused_add_rms_norm(x, residual, weight, 1e-6, unit_offset=True)
+    expected_out, expected_residual = fused_add_rms_norm_native(x, residual, weight, 1e-6, unit_offset=True)
+    assert_close(new_residual, expected_residual, dtype)
+    assert_close(out, expected_out, dtype)
+
+
 def test_norm_rejects_wrong_weight():
     with pytest.raises(ValueError, match="weight"):
         rms_norm(randn(2, 64), randn(32), 1e-5)
@@ -137,6 +151,13 @@ def test_norm_rejects_wrong_weight():
 def test_silu_and_mul(shape, dtype, poisoned_empty):
     x = randn(*shape, dtype=dtype) * 3
     assert_close(silu_and_mul(x), silu_and_mul_native(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", [(3, 2 * 50), (2, 3, 2 * 1100)])
+def test_gelu_tanh_and_mul(shape, dtype, poisoned_empty):
+    x = randn(*shape, dtype=dtype) * 3
+    assert_close(gelu_tanh_and_mul(x), gelu_tanh_and_mul_native(x), dtype)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -409,11 +430,11 @@ class PagedBatch:
             seq_lens_cpu=list(seq_lens), query_start_loc_cpu=starts,
         )
 
-    def reference_output(self, kv_cache=None, window: int = 0):
+    def reference_output(self, kv_cache=None, window: int = 0, softcap: float = 0.0):
         """fp32 attention on the same (rounded) inputs; padding rows stay NaN."""
         kv_cache = self.kv_cache if kv_cache is None else kv_cache
         out = torch.full(self.query.shape, float("nan"), device=DEVICE)
-        paged_attention_reference(self.query.float(), kv_cache.float(), out, self.meta, self.scale, window)
+        paged_attention_reference(self.query.float(), kv_cache.float(), out, self.meta, self.scale, window, softcap)
         return out
 
     def kernel_output(self, kv_cache=None, **kwargs):
@@ -491,6 +512,20 @@ def test_paged_attention_sliding_window(shape, window, kv_splits):
     expected = batch.reference_output(window=window)
     assert not torch.allclose(expected[:batch.num_actual_tokens], batch.reference_output()[:batch.num_actual_tokens])
     assert_attention_matches(batch, batch.kernel_output(window=window, kv_splits=kv_splits), expected)
+
+
+@pytest.mark.parametrize("kv_splits", [1, 4])
+@pytest.mark.parametrize("shape", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_paged_attention_softcap(shape, kv_splits):
+    """Gemma 2's soft-capped scores (head dim 256), with its sliding window and without. The
+    scores are scaled up so that the cap bites: uncapped attention must differ."""
+    batch = PagedBatch(**shape, num_heads=4, num_kv_heads=2, head_dim=256, block_size=16)
+    batch.scale = 0.5
+    for window in (0, 7):
+        expected = batch.reference_output(window=window, softcap=5.0)
+        n = batch.num_actual_tokens
+        assert not torch.allclose(expected[:n], batch.reference_output(window=window)[:n], atol=1e-3)
+        assert_attention_matches(batch, batch.kernel_output(window=window, softcap=5.0, kv_splits=kv_splits), expected)
 
 
 def test_paged_attention_long_decode_splits_automatically():
@@ -590,16 +625,20 @@ def _compile_all_for_sm90() -> None:
 
     bf16, f32, i32 = "*bf16", "fp32", "i32"
     build(norm.rms_norm_kernel, dict(x_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, x_row_stride=i32,
-                                      out_row_stride=i32, hidden_size=i32, eps=f32), dict(BLOCK=4096), 16)
-    build(norm.fused_add_rms_norm_kernel,
-          dict(x_ptr=bf16, residual_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, new_residual_ptr=bf16,
-               x_row_stride=i32, residual_row_stride=i32, out_row_stride=i32, hidden_size=i32, eps=f32),
-          dict(BLOCK=4096), 16)
+                                      out_row_stride=i32, hidden_size=i32, eps=f32),
+          dict(BLOCK=4096, UNIT_OFFSET=False), 16)
+    for unit_offset in (False, True):
+        build(norm.fused_add_rms_norm_kernel,
+              dict(x_ptr=bf16, residual_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, new_residual_ptr=bf16,
+                   x_row_stride=i32, residual_row_stride=i32, out_row_stride=i32, hidden_size=i32, eps=f32),
+              dict(BLOCK=4096, UNIT_OFFSET=unit_offset), 16)
     build(argmax_kernels.argmax_kernel, dict(x_ptr="*fp32", out_ptr="*i64", part_value_ptr="*fp32",
                                              part_index_ptr="*i32", counter_ptr="*i32", width=i32, x_row_stride=i32),
           dict(BLOCK=4096, CHUNKS=32), 8)
-    build(activation.silu_and_mul_kernel, dict(x_ptr=bf16, out_ptr=bf16, x_row_stride=i32, out_row_stride=i32,
-                                                width=i32), dict(BLOCK=1024))
+    for gelu_tanh in (False, True):
+        build(activation.gated_activation_kernel, dict(x_ptr=bf16, out_ptr=bf16, x_row_stride=i32,
+                                                       out_row_stride=i32, width=i32),
+              dict(BLOCK=1024, GELU_TANH=gelu_tanh))
     for write_kv in (False, True):
         build(rotary.rotary_kernel,
               dict(positions_ptr="*i64", q_ptr=bf16, k_ptr=bf16, cache_ptr="*fp32", q_out_ptr=bf16, k_out_ptr=bf16,
@@ -619,19 +658,21 @@ def _compile_all_for_sm90() -> None:
         query_start_loc_ptr="*i32", partial_acc_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
         counter_ptr="*i32", num_seqs=i32, scale_log2=f32, query_token_stride=i32, query_head_stride=i32,
         out_token_stride=i32, out_head_stride=i32, block_table_stride=i32, cache_block_stride=i32, cache_slot_stride=i32,
-        cache_head_stride=i32, block_size=i32, window=i32,
+        cache_head_stride=i32, block_size=i32, window=i32, softcap_log2=f32,
     )
-    # Decode split and not (the tiles of small and large batches), prefill, fp32; windowed decode and prefill.
-    for dtype, group, head_dim, block_m, block_n, splits, one_query, stages, window in [
-            ("bf16", 4, 128, 16, 128, 8, True, 3, False), ("bf16", 4, 128, 16, 64, 1, True, 2, False),
-            ("bf16", 3, 64, 64, 64, 1, False, 3, False), ("fp32", 1, 128, 64, 64, 1, False, 3, False),
-            ("bf16", 4, 128, 16, 128, 8, True, 3, True), ("bf16", 4, 128, 64, 64, 1, False, 3, True)]:
+    # Decode split and not (the tiles of small and large batches), prefill, fp32; windowed decode and
+    # prefill; Gemma 2's (head dim 256, windowed or not, soft-capped) decode and prefill.
+    for dtype, group, head_dim, block_m, block_n, splits, one_query, stages, window, softcap in [
+            ("bf16", 4, 128, 16, 128, 8, True, 3, False, False), ("bf16", 4, 128, 16, 64, 1, True, 2, False, False),
+            ("bf16", 3, 64, 64, 64, 1, False, 3, False, False), ("fp32", 1, 128, 64, 64, 1, False, 3, False, False),
+            ("bf16", 4, 128, 16, 128, 8, True, 3, True, False), ("bf16", 4, 128, 64, 64, 1, False, 3, True, False),
+            ("bf16", 2, 256, 16, 32, 4, True, 3, True, True), ("bf16", 2, 256, 64, 32, 1, False, 3, False, True)]:
         pointer = "*" + dtype
         build(attention.paged_attention_kernel,
               dict(attention_args, query_ptr=pointer, key_cache_ptr=pointer, value_cache_ptr=pointer, out_ptr=pointer),
               dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DIM=head_dim,
                    KV_SPLITS=splits, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", ONE_QUERY=one_query,
-                   HAS_WINDOW=window),
+                   HAS_WINDOW=window, HAS_SOFTCAP=softcap),
               4, stages)
     # Every GEMV config the autotuner may pick at Llama-3-8B shapes, at every padded row count.
     gemv_args = dict(x_ptr=bf16, w_ptr=bf16, out_ptr=bf16, ws_ptr="*fp32", counter_ptr="*i32", M=i32, N=i32,

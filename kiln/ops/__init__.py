@@ -1,11 +1,11 @@
 """kiln's ops. Importing this registers every `torch.ops.kiln.*` op."""
 
-from kiln.ops.activation import SiluAndMul
+from kiln.ops.activation import GeluTanhAndMul, SiluAndMul
 from kiln.ops.attention import Attention
 from kiln.ops.custom_op import enabled_custom_ops, known_ops
 from kiln.ops.linear import SkinnyLinear
 from kiln.ops.norm import RMSNorm
 from kiln.ops.rotary import RotaryEmbedding
 
-__all__ = ["Attention", "RMSNorm", "RotaryEmbedding", "SiluAndMul", "SkinnyLinear", "enabled_custom_ops",
+__all__ = ["Attention", "GeluTanhAndMul", "RMSNorm", "RotaryEmbedding", "SiluAndMul", "SkinnyLinear", "enabled_custom_ops",
            "known_ops"]

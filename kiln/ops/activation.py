@@ -1,4 +1,4 @@
-"""SiLU-and-mul: the gated activation of the Llama MLP."""
+"""Gated activations: SiLU-and-mul (the Llama MLP) and GELU-tanh-and-mul (Gemma's)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,35 @@ class SiluAndMul(CustomOp):
 
     def forward_kernel(self, x):
         return silu_and_mul_op(x)
+
+
+def gelu_tanh_and_mul_native(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+@torch.library.custom_op("kiln::gelu_tanh_and_mul", mutates_args=())
+def gelu_tanh_and_mul_op(x: torch.Tensor) -> torch.Tensor:
+    return gelu_tanh_and_mul_native(x)
+
+
+@gelu_tanh_and_mul_op.register_fake
+def _(x):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@gelu_tanh_and_mul_op.register_kernel("cuda")
+def _(x):
+    from kiln.ops.triton.activation import gelu_tanh_and_mul
+
+    return gelu_tanh_and_mul(x)
+
+
+class GeluTanhAndMul(CustomOp):
+    op_names = ("gelu_tanh_and_mul",)
+
+    def forward_native(self, x):
+        return gelu_tanh_and_mul_native(x)
+
+    def forward_kernel(self, x):
+        return gelu_tanh_and_mul_op(x)

@@ -87,38 +87,41 @@ def _(positions, q, k, v, cos_sin_cache, layer_name):
 @split_op(reason="attention over the paged KV cache; metadata from the forward context")
 @torch.library.custom_op("kiln::attention", mutates_args=("out",))
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_written: torch.Tensor,
-              out: torch.Tensor, layer_name: str, scale: float, window: int = 0) -> None:
+              out: torch.Tensor, layer_name: str, scale: float, window: int = 0, softcap: float = 0.0) -> None:
     """window > 0: each query sees only the last `window` positions, itself included (Mistral's
-    sliding window); an argument of the op, so the model has no branch for it."""
+    sliding window); softcap > 0: each score s is softcap * tanh(s / softcap) (Gemma 2). Both are
+    arguments of the op, so the model has no branch for them."""
     ctx = get_forward_context()
     meta = ctx.attn_metadata if ctx is not None else None
     kv_cache = ctx.kv_caches.get(layer_name) if ctx is not None else None
     if meta is None or kv_cache is None:
         # No cache (a profiling run or a bare forward): attend within the fresh keys.
         starts = meta.query_start_loc_cpu if meta is not None else [0, query.shape[0]]
-        causal_attention_reference(query, key, value, out, starts, scale, window)
+        causal_attention_reference(query, key, value, out, starts, scale, window, softcap)
     elif kv_cache.is_cuda:
         from kiln.ops.triton.attention import paged_attention
 
-        paged_attention(query, kv_cache, out, meta, scale, window=window)
+        paged_attention(query, kv_cache, out, meta, scale, window=window, softcap=softcap)
     else:
-        paged_attention_reference(query, kv_cache, out, meta, scale, window)
+        paged_attention_reference(query, kv_cache, out, meta, scale, window, softcap)
 
 
 @attention.register_fake
-def _(query, key, value, kv_written, out, layer_name, scale, window=0):
+def _(query, key, value, kv_written, out, layer_name, scale, window=0, softcap=0.0):
     return None
 
 
 class Attention(nn.Module):
     """Multi-head attention with GQA over the paged KV cache of layer `layer_name`."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_name: str, window: int = 0):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_name: str, window: int = 0,
+                 scale: float | None = None, softcap: float = 0.0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.layer_name = layer_name
         self.window = window  # 0: the whole context
+        self.softcap = softcap  # 0: none
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
                 cos_sin_cache: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,5 +136,5 @@ class Attention(nn.Module):
             written = kv_cache_write(k, v, self.layer_name)
         else:
             q, k, written = rotary_kv_cache_write(positions, q, k, v, cos_sin_cache, self.layer_name)
-        attention(q, k, v, written, out, self.layer_name, self.scale, self.window)
+        attention(q, k, v, written, out, self.layer_name, self.scale, self.window, self.softcap)
         return out.flatten(1)

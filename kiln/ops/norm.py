@@ -1,4 +1,8 @@
-"""RMSNorm and fused residual-add + RMSNorm."""
+"""RMSNorm and fused residual-add + RMSNorm.
+
+unit_offset (Gemma): the checkpoint stores w - 1, so the row is scaled by 1 + w, in fp32, and
+rounded to the input dtype once, as HF's Gemma2RMSNorm does; without it, the normalised row is
+rounded first and then multiplied by w (HF's LlamaRMSNorm)."""
 
 from __future__ import annotations
 
@@ -8,60 +12,62 @@ from torch import nn
 from kiln.ops.custom_op import CustomOp, is_enabled
 
 
-def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
     # Normalise in fp32, scale in the model dtype: the order HF's LlamaRMSNorm uses, so
     # fp32 and bf16 results match it bit for bit where the kernels allow.
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (xf * (1.0 + weight.float())).to(dtype)
     return weight * xf.to(dtype)
 
 
 def fused_add_rms_norm_native(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     residual = x + residual
-    return rms_norm_native(residual, weight, eps), residual
+    return rms_norm_native(residual, weight, eps, unit_offset), residual
 
 
 @torch.library.custom_op("kiln::rms_norm", mutates_args=())
-def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_norm_native(x, weight, eps)
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    return rms_norm_native(x, weight, eps, unit_offset)
 
 
-def _normed_like(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+def _normed_like(x: torch.Tensor, weight: torch.Tensor, unit_offset: bool) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=x.dtype if unit_offset else torch.promote_types(x.dtype, weight.dtype))
 
 
 @rms_norm_op.register_fake
-def _(x, weight, eps):
-    return _normed_like(x, weight)
+def _(x, weight, eps, unit_offset=False):
+    return _normed_like(x, weight, unit_offset)
 
 
 @rms_norm_op.register_kernel("cuda")
-def _(x, weight, eps):
+def _(x, weight, eps, unit_offset=False):
     from kiln.ops.triton.norm import rms_norm
 
-    return rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps, unit_offset)
 
 
 @torch.library.custom_op("kiln::fused_add_rms_norm", mutates_args=())
 def fused_add_rms_norm_op(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return fused_add_rms_norm_native(x, residual, weight, eps)
+    return fused_add_rms_norm_native(x, residual, weight, eps, unit_offset)
 
 
 @fused_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps):
-    return _normed_like(x, weight), torch.empty_like(x)
+def _(x, residual, weight, eps, unit_offset=False):
+    return _normed_like(x, weight, unit_offset), torch.empty_like(x)
 
 
 @fused_add_rms_norm_op.register_kernel("cuda")
-def _(x, residual, weight, eps):
+def _(x, residual, weight, eps, unit_offset=False):
     from kiln.ops.triton.norm import fused_add_rms_norm
 
-    return fused_add_rms_norm(x, residual, weight, eps)
+    return fused_add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
 class RMSNorm(CustomOp):
@@ -69,22 +75,23 @@ class RMSNorm(CustomOp):
 
     op_names = ("rms_norm", "fused_add_rms_norm")
 
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.unit_offset = unit_offset
         self.fused_uses_kernel = is_enabled("fused_add_rms_norm")
 
     def forward(self, x, residual=None):
         if residual is None:
             return super().forward(x)
         if self.fused_uses_kernel:
-            return fused_add_rms_norm_op(x, residual, self.weight, self.eps)
-        return fused_add_rms_norm_native(x, residual, self.weight, self.eps)
+            return fused_add_rms_norm_op(x, residual, self.weight, self.eps, self.unit_offset)
+        return fused_add_rms_norm_native(x, residual, self.weight, self.eps, self.unit_offset)
 
     def forward_native(self, x):
-        return rms_norm_native(x, self.weight, self.eps)
+        return rms_norm_native(x, self.weight, self.eps, self.unit_offset)
 
     def forward_kernel(self, x):
-        return rms_norm_op(x, self.weight, self.eps)
+        return rms_norm_op(x, self.weight, self.eps, self.unit_offset)
 

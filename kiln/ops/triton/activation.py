@@ -1,21 +1,20 @@
-"""SiLU-and-mul as a Triton kernel: out = silu(gate) * up, where x = [gate | up]."""
+"""Gated activations as a Triton kernel: out = act(gate) * up, where x = [gate | up]."""
 
 from __future__ import annotations
 
 import torch
 import triton
 
-from kiln.ops.triton.kernels.activation import silu_and_mul_kernel
+from kiln.ops.triton.kernels.activation import gated_activation_kernel
 
 BLOCK = 1024
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], a new [..., I] tensor of x's dtype."""
+def _gated(x: torch.Tensor, name: str, gelu_tanh: bool) -> torch.Tensor:
     if x.shape[-1] % 2 != 0:
-        raise ValueError(f"silu_and_mul: last dim must be even (gate and up halves), got {x.shape[-1]}")
+        raise ValueError(f"{name}: last dim must be even (gate and up halves), got {x.shape[-1]}")
     if x.stride(-1) != 1:
-        raise ValueError(f"silu_and_mul: the last dim must be contiguous, got strides {x.stride()}")
+        raise ValueError(f"{name}: the last dim must be contiguous, got strides {x.stride()}")
     width = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
     rows = x.reshape(-1, x.shape[-1])
@@ -23,6 +22,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     out_rows = out.view(-1, width)
     grid = (rows.shape[0], triton.cdiv(width, BLOCK))
-    silu_and_mul_kernel[grid](rows, out_rows, rows.stride(0), out_rows.stride(0), width,
-                               BLOCK=BLOCK, num_warps=4)
+    gated_activation_kernel[grid](rows, out_rows, rows.stride(0), out_rows.stride(0), width,
+                                  BLOCK=BLOCK, GELU_TANH=gelu_tanh, num_warps=4)
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], a new [..., I] tensor of x's dtype."""
+    return _gated(x, "silu_and_mul", gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] -> gelu(x[..., :I], approximate="tanh") * x[..., I:] (Gemma's MLP)."""
+    return _gated(x, "gelu_tanh_and_mul", gelu_tanh=True)

@@ -186,10 +186,12 @@ def _check_attention_inputs(query: torch.Tensor, kv_cache: torch.Tensor, out: to
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, *, window: int = 0, kv_splits: int | None = None,
+                    meta: AttentionMetadata, scale: float, *, window: int = 0, softcap: float = 0.0,
+                    kv_splits: int | None = None,
                     tiles: AttentionTiles | None = None) -> None:
     """out[t] = causal attention of query[t] over its sequence's paged context (out is written in place);
-    window > 0: over the last `window` positions only (the keys before are masked, not skipped).
+    window > 0: over the last `window` positions only (the keys before are masked, not skipped);
+    softcap > 0: each score s is softcap * tanh(s / softcap) before the softmax.
 
     query, out: [T, Hq, D] (query may be a strided view); kv_cache: [2, blocks, block_size, Hkv, D].
     kv_splits: ranges per context (a power of two); None picks one from the batch shape.
@@ -225,11 +227,12 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
         partial_acc, partial_max, partial_sum, counters, num_seqs, scale * math.log2(math.e),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), kv_cache.shape[2], window,
+        softcap * math.log2(math.e),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_DIM=block_dim, KV_SPLITS=splits,
         # fp32 inputs would otherwise be multiplied in tf32 on the GPU
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", ONE_QUERY=one_query,
-        HAS_WINDOW=window > 0,
+        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
         num_warps=tiles.num_warps,
         **({"num_stages": tiles.num_stages} if tiles.num_stages is not None else {}),
     )

@@ -2,7 +2,9 @@
 
 The arithmetic follows `rms_norm_native`: the mean square and the scaling happen in fp32,
 the normalised row is rounded to the input dtype, and only then multiplied by the weight
-(in fp32, rounded once to the output dtype, as torch does for a bf16 * bf16 product).
+(in fp32, rounded once to the output dtype, as torch does for a bf16 * bf16 product). With
+unit_offset (Gemma) the row is scaled by 1 + weight in fp32 without the rounding in between, and
+the output has the input's dtype.
 """
 
 from __future__ import annotations
@@ -37,23 +39,27 @@ def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"rms_norm: weight on {weight.device}, input on {x.device}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor, unit_offset: bool) -> torch.dtype:
+    return x.dtype if unit_offset else torch.promote_types(x.dtype, weight.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
     """weight * rms_norm(x) over the last dim; a new tensor of dtype promote(x, weight)."""
     _check_weight(x, weight)
     rows = _rows(x, "rms_norm")
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight, unit_offset), device=x.device)
     if rows.shape[0] == 0:
         return out
     out_rows = out.view(-1, x.shape[-1])
     rms_norm_kernel[(rows.shape[0],)](
         rows, weight, out_rows, rows.stride(0), out_rows.stride(0), x.shape[-1], eps,
-        **_launch_config(x.shape[-1]),
+        UNIT_OFFSET=unit_offset, **_launch_config(x.shape[-1]),
     )
     return out
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rms_norm(x + residual), x + residual), in one pass; inputs are not changed."""
     _check_weight(x, weight)
     if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -62,13 +68,13 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
             f"x {tuple(x.shape)} {x.dtype}"
         )
     rows, residual_rows = _rows(x, "fused_add_rms_norm"), _rows(residual, "fused_add_rms_norm")
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight, unit_offset), device=x.device)
     new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0] == 0:
         return out, new_residual
     out_rows = out.view(-1, x.shape[-1])
     fused_add_rms_norm_kernel[(rows.shape[0],)](
         rows, residual_rows, weight, out_rows, new_residual, rows.stride(0), residual_rows.stride(0),
-        out_rows.stride(0), x.shape[-1], eps, **_launch_config(x.shape[-1]),
+        out_rows.stride(0), x.shape[-1], eps, UNIT_OFFSET=unit_offset, **_launch_config(x.shape[-1]),
     )
     return out, new_residual

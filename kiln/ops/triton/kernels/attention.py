@@ -41,11 +41,12 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend(q, query_pos, key_begin, key_end, block_table_ptr, key_cache_ptr, value_cache_ptr,
-            cache_block_stride, cache_slot_stride, block_size, scale_log2, window, HEAD_DIM: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DIM: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
+            cache_block_stride, cache_slot_stride, block_size, scale_log2, window, softcap_log2,
+            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DIM: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Online softmax of q [BLOCK_M, BLOCK_DIM] over keys [key_begin, key_end), causal by query_pos
-    (and with HAS_WINDOW over each query's last `window` positions only).
+    (and with HAS_WINDOW over each query's last `window` positions only; with HAS_SOFTCAP each
+    score capped to softcap * tanh(score / softcap), softcap_log2 being softcap in log2 units).
 
     key_cache_ptr / value_cache_ptr already point at this program's kv head. Returns the
     unnormalised (acc, row_max, row_sum), scores in log2 units; a row that saw no key has
@@ -65,6 +66,10 @@ def _attend(q, query_pos, key_begin, key_end, block_table_ptr, key_cache_ptr, va
         k_t = tl.load(key_cache_ptr + slots[None, :] + dims[:, None],
                       mask=in_range[None, :] & dim_mask[:, None], other=0.0)
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
+        if HAS_SOFTCAP:
+            # In log2 units c * tanh(s / c) keeps its form with c scaled alike; tanh(x) = 1 - 2 / (e^2x + 1)
+            # saturates to +-1 without overflow (e^2x = inf gives 1).
+            scores = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap_log2) + 1.0))
         visible = in_range[None, :] & (keys[None, :] <= query_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (keys[None, :] > query_pos[:, None] - window)
@@ -89,10 +94,10 @@ def paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, counter_ptr, num_seqs, scale_log2,
     query_token_stride, query_head_stride, out_token_stride, out_head_stride, block_table_stride,
-    cache_block_stride, cache_slot_stride, cache_head_stride, block_size, window,
+    cache_block_stride, cache_slot_stride, cache_head_stride, block_size, window, softcap_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_DIM: tl.constexpr, KV_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ONE_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    ONE_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -131,8 +136,8 @@ def paged_attention_kernel(
     acc, row_max, row_sum = _attend(
         q, query_pos, key_begin, key_end, block_tables_ptr + seq * block_table_stride,
         key_cache_ptr + kv_head * cache_head_stride, value_cache_ptr + kv_head * cache_head_stride,
-        cache_block_stride, cache_slot_stride, block_size, scale_log2, window,
-        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_DIM, DOT_PRECISION, HAS_WINDOW,
+        cache_block_stride, cache_slot_stride, block_size, scale_log2, window, softcap_log2,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_DIM, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP,
     )
     if KV_SPLITS == 1:
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]

@@ -6,23 +6,27 @@ import triton.language as tl
 
 
 @triton.jit
-def _scaled_rms_norm(row, weight_ptr, cols, col_mask, hidden_size, eps, input_dtype: tl.constexpr):
-    """weight * rms_norm(row) in fp32; `row` is fp32 holding values of `input_dtype`."""
+def _scaled_rms_norm(row, weight_ptr, cols, col_mask, hidden_size, eps, input_dtype: tl.constexpr,
+                     UNIT_OFFSET: tl.constexpr):
+    """weight * rms_norm(row) in fp32; `row` is fp32 holding values of `input_dtype`. UNIT_OFFSET
+    (Gemma): (1 + weight) * rms_norm(row), the normalised row not rounded first."""
     mean_square = tl.sum(row * row, axis=0) / hidden_size
-    normed = (row * tl.math.rsqrt(mean_square + eps)).to(input_dtype).to(tl.float32)
+    normed = row * tl.math.rsqrt(mean_square + eps)
     weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    return normed * weight
+    if UNIT_OFFSET:
+        return normed * (1.0 + weight)
+    return normed.to(input_dtype).to(tl.float32) * weight
 
 
 @triton.jit
 def rms_norm_kernel(x_ptr, weight_ptr, out_ptr, x_row_stride, out_row_stride, hidden_size, eps,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, UNIT_OFFSET: tl.constexpr):
     row_index = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < hidden_size
     row = tl.load(x_ptr + row_index * x_row_stride + cols, mask=col_mask, other=0.0)
     out = _scaled_rms_norm(row.to(tl.float32), weight_ptr, cols, col_mask, hidden_size, eps,
-                           x_ptr.dtype.element_ty)
+                           x_ptr.dtype.element_ty, UNIT_OFFSET)
     out_ptrs = out_ptr + row_index * out_row_stride + cols
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=col_mask)
 
@@ -30,7 +34,7 @@ def rms_norm_kernel(x_ptr, weight_ptr, out_ptr, x_row_stride, out_row_stride, hi
 @triton.jit
 def fused_add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
                                x_row_stride, residual_row_stride, out_row_stride, hidden_size, eps,
-                               BLOCK: tl.constexpr):
+                               BLOCK: tl.constexpr, UNIT_OFFSET: tl.constexpr):
     row_index = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < hidden_size
@@ -40,5 +44,5 @@ def fused_add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_resi
     summed = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
     tl.store(new_residual_ptr + row_index * hidden_size + cols, summed, mask=col_mask)
     out = _scaled_rms_norm(summed.to(tl.float32), weight_ptr, cols, col_mask, hidden_size, eps,
-                           x_ptr.dtype.element_ty)
+                           x_ptr.dtype.element_ty, UNIT_OFFSET)
     tl.store(out_ptr + row_index * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
