@@ -1,5 +1,6 @@
 """kiln against transformers on the same weights (fp32, CPU): SmolLM2 (Llama), and tiny random
-Mistral, Qwen2 and Qwen3 checkpoints saved with save_pretrained; what kiln cannot run is refused."""
+Mistral, Qwen2, Qwen3 and Gemma 2 checkpoints saved with save_pretrained; what kiln cannot run is
+refused."""
 
 import pytest
 import torch
@@ -52,7 +53,7 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 def _saved(tmp_path, config_class: str, model_class: str, **settings):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**TINY, **settings)
+    config = getattr(transformers, config_class)(**{**TINY, **settings})
     model = getattr(transformers, model_class)(config).eval()
     model.save_pretrained(tmp_path)
     return model
@@ -110,6 +111,33 @@ def test_qwen_families_match_transformers(tmp_path, config_class, model_class, s
     with torch.inference_mode(), set_forward_context(None, {}):
         ours = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt))))
         theirs = hf(torch.tensor([prompt])).logits[0]
+    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-4
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == _hf_greedy(hf, prompt, 12)
+
+
+@pytest.mark.parametrize("level", [0, 2])
+def test_gemma2_matches_transformers(tmp_path, level):
+    """Alternating windows (8, then the whole context) over a longer prompt, the norms' 1 + w, the
+    embedding scale, GELU-tanh, and both soft-caps set low enough to change the result."""
+    from kiln import LLM
+
+    hf = _saved(tmp_path, "Gemma2Config", "Gemma2ForCausalLM", sliding_window=8, query_pre_attn_scalar=1,
+                attn_logit_softcapping=0.05, final_logit_softcapping=0.3, num_hidden_layers=3)
+    with torch.no_grad():  # HF starts Gemma's norms at 0 (a scale of 1): move them
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.5)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64, block_size=4,
+              max_num_batched_tokens=8, compilation_config=level)
+    model = llm.engine.runner.model
+    assert [layer.self_attn.attn.window for layer in model.model.layers] == [8, 0, 8]
+    prompt = _prompt(19, seed=3)
+    with torch.inference_mode(), set_forward_context(None, {}):
+        ours = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt))))
+        theirs = hf(torch.tensor([prompt])).logits[0]
+    assert theirs.abs().max() < 0.3  # the final cap bites
     assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-4
     out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == _hf_greedy(hf, prompt, 12)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from kiln.models.config import ModelArchConfig
+from kiln.models.gemma2 import Gemma2ForCausalLM
 from kiln.models.llama import LlamaForCausalLM
 from kiln.models.parallel_layers import ShardedLayer
 from kiln.ops import enabled_custom_ops
@@ -20,6 +21,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # ModelArchConfig.from_hf from the architecture.
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
 }
 
 

@@ -25,11 +25,29 @@ class ModelArchConfig:
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k
     sliding_window: int = 0  # Mistral: each token attends to its last this many positions; 0: all
+    # Per layer "sliding_attention" or "full_attention" (Gemma 2 alternates); empty: every layer
+    # slides when sliding_window is set (Mistral).
+    layer_types: tuple[str, ...] = ()
+    hidden_act: str = "silu"  # the MLP's gate: "silu", or "gelu_pytorch_tanh" (Gemma)
+    query_pre_attn_scalar: float | None = None  # Gemma 2: scores scaled by its -1/2 power, not head_dim's
+    attn_logit_softcapping: float = 0.0  # Gemma 2: scores capped to c * tanh(s / c); 0: none
+    final_logit_softcapping: float = 0.0  # Gemma 2: logits capped alike; 0: none
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.num_layers}")
+        unknown = set(self.layer_types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"layer_types holds {sorted(unknown)}; kiln knows sliding_attention and full_attention")
+
+    def window_of(self, layer: int) -> int:
+        """The sliding window layer `layer` attends over (0: its whole context)."""
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return 0
+        return self.sliding_window
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelArchConfig":
@@ -40,6 +58,7 @@ class ModelArchConfig:
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        gemma2 = archs[0] == "Gemma2ForCausalLM"
         return cls(
             architecture=archs[0],
             vocab_size=hf["vocab_size"],
@@ -59,6 +78,11 @@ class ModelArchConfig:
             qkv_bias=archs[0] == "Qwen2ForCausalLM",
             qk_norm=archs[0] == "Qwen3ForCausalLM",
             sliding_window=_sliding_window(hf) or 0,
+            layer_types=tuple(hf.get("layer_types") or _gemma2_layer_types(hf["num_hidden_layers"])) if gemma2 else (),
+            hidden_act=_activation(hf),
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if gemma2 else None,
+            attn_logit_softcapping=(hf.get("attn_logit_softcapping") or 0.0) if gemma2 else 0.0,
+            final_logit_softcapping=(hf.get("final_logit_softcapping") or 0.0) if gemma2 else 0.0,
         )
 
     def to_hf(self) -> dict:
@@ -71,13 +95,28 @@ class ModelArchConfig:
             "head_dim": self.head_dim, "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling, "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "hidden_act": self.hidden_act, "attention_bias": False, "mlp_bias": False,
         }
+        if self.architecture == "Gemma2ForCausalLM":
+            out.update(model_type="gemma2", hidden_activation=self.hidden_act, sliding_window=self.sliding_window,
+                       layer_types=list(self.layer_types), query_pre_attn_scalar=self.query_pre_attn_scalar,
+                       attn_logit_softcapping=self.attn_logit_softcapping or None,
+                       final_logit_softcapping=self.final_logit_softcapping or None)
         if self.bos_token_id is not None:
             out["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
             out["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
         return out
+
+
+def _gemma2_layer_types(num_layers: int) -> list[str]:
+    # transformers' default for Gemma 2 configs without layer_types: even layers slide.
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+
+
+def _activation(hf: dict) -> str:
+    # Gemma configs name it hidden_activation (hidden_act is Gemma 1's legacy key).
+    return hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
 
 
 def _sliding_window(hf: dict) -> int | None:
@@ -93,16 +132,18 @@ def _refuse_unimplemented(hf: dict) -> None:
     problems = []
     arch = (hf.get("architectures") or [hf.get("model_type", "?")])[0]
     window = _sliding_window(hf)
-    if window is not None and arch not in ("MistralForCausalLM", "LlamaForCausalLM"):
+    if window is not None and arch not in ("MistralForCausalLM", "LlamaForCausalLM", "Gemma2ForCausalLM"):
         # Qwen2's window applies from layer max_window_layers on: a per-layer window kiln lacks.
         problems.append(f"sliding_window={window} with use_sliding_window (kiln has Mistral's window, the same "
                         f"in every layer; {arch}'s depends on the layer)")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             problems.append(f"{flag}=true (kiln's projections have no bias)")
-    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act != "silu":
-        problems.append(f"hidden_act={act!r} (kiln's MLP is SiLU-gated)")
+    act, wanted = _activation(hf), "gelu_pytorch_tanh" if arch == "Gemma2ForCausalLM" else "silu"
+    if act != wanted:
+        problems.append(f"hidden_act={act!r} (kiln's {arch} MLP is {wanted}-gated)")
+    if hf.get("use_bidirectional_attention"):
+        problems.append("use_bidirectional_attention=true (kiln's attention is causal)")
     if problems:
         name = (hf.get("architectures") or [hf.get("model_type", "this model")])[0]
         raise ValueError(f"{name}: kiln cannot run this checkpoint exactly, so it refuses it: "

@@ -50,7 +50,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, layer_name: str):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, layer_name: str, window: int):
         super().__init__()
         size = tp_state().size
         num_heads = per_rank(cfg.num_heads, "num_heads", size)
@@ -65,7 +65,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary_emb = rotary
-        self.attn = Attention(num_heads, num_kv_heads, cfg.head_dim, layer_name, cfg.sliding_window)
+        scale = cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None
+        self.attn = Attention(num_heads, num_kv_heads, cfg.head_dim, layer_name, window, scale,
+                              cfg.attn_logit_softcapping)
 
     def forward(self, positions, x):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -82,7 +84,7 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, index: int):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, f"model.layers.{index}.self_attn.attn")
+        self.self_attn = LlamaAttention(cfg, rotary, f"model.layers.{index}.self_attn.attn", cfg.window_of(index))
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -124,10 +126,12 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
+    model_class: type[nn.Module] = LlamaModel  # a family with other layers sets its own (Gemma 2)
+
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = self.model_class(cfg)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, [cfg.vocab_size], gather_output=True,
                                             what="vocab_size")
         self.tie_weights()
@@ -141,7 +145,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     @staticmethod
     def check_tensor_parallel(cfg: ModelArchConfig, size: int) -> None:

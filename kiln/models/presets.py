@@ -44,6 +44,14 @@ PRESETS: dict[str, ModelArchConfig] = {
         num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
         rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, eos_token_ids=(151645, 151643),
         qk_norm=True),
+    "gemma-2-9b": ModelArchConfig(
+        "Gemma2ForCausalLM", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+        num_layers=42, num_heads=16, num_kv_heads=8, head_dim=256, max_position_embeddings=8192,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=2, eos_token_ids=(1, 107),
+        sliding_window=4096, layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                                               for i in range(42)),
+        hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0),
     # A few-layer model for fast tests of anything that compiles.
     "tiny-llama": ModelArchConfig(
         "LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,

@@ -1,0 +1,85 @@
+"""Gemma 2: Llama's attention and weights layout, with what Gemma changes around them.
+
+- The MLP's gate is GELU (tanh form), not SiLU.
+- Every norm stores w - 1 and scales by 1 + w in fp32 (RMSNorm's unit_offset), and each
+  sublayer's output is normed again before it joins the residual stream (post-norms).
+- Embeddings are multiplied by sqrt(hidden_size), rounded to the model's dtype as HF does.
+- Attention scores are scaled by query_pre_attn_scalar and soft-capped, and layers alternate
+  between a sliding window and the whole context (config.layer_types): both are arguments of
+  kiln's attention op, so the two layer kinds differ only in a constant and are traced once
+  each. The final logits are soft-capped too (LlamaForCausalLM.compute_logits).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.compile import compile_dynamic, repeated_layer
+from kiln.models.config import ModelArchConfig
+from kiln.models.llama import LlamaAttention, LlamaForCausalLM
+from kiln.models.parallel_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from kiln.ops import GeluTanhAndMul, RMSNorm, RotaryEmbedding
+
+
+class Gemma2MLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], what="intermediate_size")
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, what="intermediate_size")
+        self.act = GeluTanhAndMul()
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+@repeated_layer
+class Gemma2DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, index: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary, f"model.layers.{index}.self_attn.attn", cfg.window_of(index))
+        self.mlp = Gemma2MLP(cfg)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True))
+
+    def forward(self, positions, hidden, residual):
+        # As in Llama the residual stream travels beside the hidden state; the post-norms have no
+        # add before them, the pre-norms fuse the add of the sublayer before.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class Gemma2Model(nn.Module):
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.head_dim, cfg.max_position_embeddings,
+                                 cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(Gemma2DecoderLayer(cfg, rotary, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
+        self.embed_scale = cfg.hidden_size**0.5
+
+    def init_buffers(self, device: torch.device) -> None:
+        # HF multiplies by sqrt(hidden_size) rounded to the weights' dtype (59.75, not 59.87, in bf16).
+        self.embed_scale = torch.tensor(self.embed_scale, dtype=self.embed_tokens.weight.dtype).item()
+
+    def forward(self, input_ids, positions):
+        hidden, residual = self.embed_tokens(input_ids) * self.embed_scale, None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+@compile_dynamic(dynamic_arg_dims={"input_ids": 0, "positions": 0})
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """Llama's head, weight loading and tensor-parallel checks over Gemma 2's model."""
+
+    model_class = Gemma2Model
