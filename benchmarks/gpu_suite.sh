@@ -22,8 +22,8 @@ run() {
 # Parts, in the order they run; name some to run only those (a device call lasts at most
 # 10 minutes, and all of them together take longer: split them over two calls, e.g.
 # `bash benchmarks/gpu_suite.sh kernels graphs tiles` then `... engine cache bench`).
-# partition, prefix, cache-nopyc, fresh, decode, reference, throughput, serving and tp (not in the default list):
-# Inductor's partitions under CUDA graphs, prefix caching's TTFT, the cache part without cached bytecode, a fresh
+# partition, prefix, families, cache-nopyc, fresh, decode, reference, throughput, serving and tp (not in the default list):
+# Inductor's partitions under CUDA graphs, prefix caching's TTFT, the model families, the cache part without cached bytecode, a fresh
 # machine's start, kiln's decode beside the stock loop, that loop alone, offline throughput, online serving, and
 # the tensor-parallel comparison (2 GPUs).
 parts=${*:-kernels gemv graphs tiles engine dynamo cache bench}
@@ -67,12 +67,15 @@ for part in $parts; do
                          --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH || status=1
                  fi
                  run python benchmarks/serving.py --model llama-3-8b --device cuda --rates 2 8 32 --num-prompts ${SERVING_PROMPTS:-200} --out "$OUT" ;;
+        # Each family's preset (Llama, Mistral, Qwen2.5, Qwen3, Gemma 2): decode at 1 and 64 beside its
+        # floor, and -O2's and the default mode's greedy tokens against eager's (about 5 minutes).
+        families) run python benchmarks/families.py --out "$OUT" ;;
         # 64 requests sharing a 1,024-token system prompt: TTFT with prefix caching off and on.
         prefix) run python benchmarks/prefix_caching.py --model llama-3-8b --device cuda --out "$OUT" ;;
         bench) run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT" ;;
         # Needs 2 GPUs (nvidia-h200-x2): TP=1 against TP=2, with and without sequence parallelism.
         tp) run python benchmarks/tp_decode.py --out "$OUT" --modes graphs O2 O2+SP --batches 1 64 --timeout 150 ;;
-        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large partition prefix engine dynamo cache cache-nopyc fresh decode reference throughput serving bench tp" >&2; exit 2 ;;
+        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large partition prefix families engine dynamo cache cache-nopyc fresh decode reference throughput serving bench tp" >&2; exit 2 ;;
     esac
 done
 exit $status

@@ -1,0 +1,132 @@
+"""Every model family's preset on the GPU (#15's must-show): the bf16 decode step at batch 1 and
+64 in the default mode beside its floor, and greedy tokens of the compiled mode (-O2) and of the
+default mode (CUDA graphs) against eager (-O0) on the same random weights.
+
+    python benchmarks/families.py --out $OUT                          (the H200, about 5 minutes)
+    OMP_NUM_THREADS=1 python benchmarks/families.py --device cpu --presets tiny-llama --batches 1 4 \
+        --steps 3 --warmup 1 --out /tmp/families                       (a smoke run)
+
+The floor is kiln.tools.bench's (every weight read but the embedding gather, the KV cache, at
+the measured copy rate; FLOPs at the measured matmul rate). Each family's step/floor ratio is
+also given relative to llama-3-8b's, measured in the same run (target: within 1.15x).
+JSON to --out/families_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.decode_vs_reference import measure_batch
+from kiln import LLM, SamplingParams
+from kiln.loader import load_source
+from kiln.tools.bench import Floor, floor_for, measure_copy, measure_matmul
+from kiln.tools.traffic import decode_weight_bytes
+
+PRESETS = ["llama-3-8b", "mistral-7b", "qwen2.5-7b", "qwen3-8b", "gemma-2-9b"]
+
+
+def free(llm: LLM, device: str) -> None:
+    llm.shutdown()
+    del llm
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def greedy_tokens(preset: str, args, level: int | None) -> tuple[list[list[int]], float]:
+    """Greedy tokens of 4 random prompts; level None is the default mode."""
+    start = time.perf_counter()
+    llm = LLM(preset, device=args.device, dtype=args.dtype, max_num_seqs=8, max_model_len=256, num_kv_blocks=128,
+              **({} if level is None else {"compilation_config": level}))
+    startup = time.perf_counter() - start
+    gen = torch.Generator().manual_seed(3)
+    vocab = llm.engine.source.config.vocab_size
+    prompts = [torch.randint(0, vocab, (20 + 7 * i,), generator=gen).tolist() for i in range(4)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
+    free(llm, args.device)
+    return [o.token_ids for o in outs], startup
+
+
+def run_preset(preset: str, args, rates: tuple[float, float]) -> dict:
+    cfg = load_source(preset).config
+    elem = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    floor = Floor(rates[0], rates[1], decode_weight_bytes(cfg, elem))
+    blocks = max(args.batches) * -(-(args.context + 2 * (args.warmup + args.steps) + 32) // 16) + 16
+    start = time.perf_counter()
+    llm = LLM(preset, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batches),
+              max_num_batched_tokens=2048, max_model_len=args.context + 2 * (args.warmup + args.steps) + 32,
+              num_kv_blocks=blocks)
+    out = {"preset": preset, "architecture": cfg.architecture, "default_startup_s": time.perf_counter() - start,
+           "weight_bytes": floor.weight_bytes, "points": []}
+    for batch in args.batches:
+        point = measure_batch(llm, batch, args)
+        point["floor_ms"] = floor_for(cfg, elem, floor, batch, point["mean_context"])["step_ms"]
+        point["vs_floor"] = point["engine_step_ms"] / point["floor_ms"]
+        out["points"].append(point)
+        print(f"{preset:12s} b{batch:<4d} engine step {point['engine_step_ms']:6.2f} ms, floor "
+              f"{point['floor_ms']:6.2f} ms ({point['vs_floor']:.2f}x)", flush=True)
+    free(llm, args.device)
+    eager, out["eager_startup_s"] = greedy_tokens(preset, args, 0)
+    default, _ = greedy_tokens(preset, args, None)
+    compiled, out["O2_startup_s"] = greedy_tokens(preset, args, 2)
+    out["default_tokens_equal_eager"] = default == eager
+    out["O2_tokens_equal_eager"] = compiled == eager
+    out["O2_requests_equal_eager"] = sum(a == b for a, b in zip(compiled, eager)) / len(eager)
+    print(f"{preset:12s} tokens against eager: default {'equal' if default == eager else 'DIFFER'}, "
+          f"-O2 {'equal' if compiled == eager else 'DIFFER'} ({out['O2_requests_equal_eager']:.0%} of requests)",
+          flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--presets", nargs="+", default=PRESETS)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=16, help="greedy tokens per prompt for the token checks")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    dtype = getattr(torch, args.dtype)
+    rates = (measure_copy(args.device, dtype), measure_matmul(args.device, dtype))
+    results = []
+    for preset in args.presets:
+        try:
+            results.append(run_preset(preset, args, rates))
+        except Exception as e:  # one family that fails must not lose the others' numbers
+            results.append({"preset": preset, "error": f"{type(e).__name__}: {e}".splitlines()[0]})
+            print(f"{preset}: {results[-1]['error']}", flush=True)
+    base = next((r for r in results if r["preset"] == "llama-3-8b" and "error" not in r), None)
+    if base is not None:
+        for r in results:
+            for point, ref in zip(r.get("points", []), base["points"]):
+                point["floor_ratio_vs_llama"] = point["vs_floor"] / ref["vs_floor"]
+    report = {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+              "torch": torch.__version__, "dtype": args.dtype, "copy_bytes_per_s": rates[0],
+              "matmul_flops_per_s": rates[1], "context": args.context, "results": results,
+              "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(f"\n{'preset':12s} {'batch':>5s} {'step ms':>8s} {'floor ms':>8s} {'vs floor':>8s} {'vs llama':>8s}  tokens")
+    for r in results:
+        for point in r.get("points", []):
+            print(f"{r['preset']:12s} {point['batch']:>5d} {point['engine_step_ms']:>8.2f} {point['floor_ms']:>8.2f} "
+                  f"{point['vs_floor']:>7.2f}x {point.get('floor_ratio_vs_llama', float('nan')):>7.2f}x  "
+                  f"default {r['default_tokens_equal_eager']}, O2 {r['O2_tokens_equal_eager']}")
+    out = Path(args.out) / f"families_{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
