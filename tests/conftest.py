@@ -21,6 +21,31 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 
 
+def _patch_interpreter_for_numpy_2_4() -> None:
+    """Triton 3.6's interpreter turns a 1-element array into a loop bound with int(), which
+    numpy >= 2.4 rejects (triton-lang/triton#9171, fixed upstream in #9172); without this
+    the attention kernel's `for ... in range(runtime bound)` fails in interpret mode."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "kiln_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.kiln_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    try:
+        _patch_interpreter_for_numpy_2_4()
+    except ImportError:  # no triton here: the Triton tests skip themselves
+        pass
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2 checkpoint (config, tokenizer, weights)."""

@@ -46,24 +46,6 @@ FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ELEMENTWISE_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 3e-2)}
 
 
-def _patch_interpreter_for_numpy_2_4() -> None:
-    """Triton 3.6's interpreter turns a 1-element array into a loop bound with int(), which
-    numpy >= 2.4 rejects (triton-lang/triton#9171, fixed upstream in #9172); without this
-    the attention kernel's `for ... in range(runtime bound)` fails in interpret mode."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "kiln_patched", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched.kiln_patched = True
-    interpreter._patch_lang_tensor = patched
-
-
 if INTERPRETED:
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -73,7 +55,6 @@ if INTERPRETED:
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (by an earlier test module); "
                     "set it in tests/conftest.py before anything imports torch._dynamo, or run this file "
                     "alone", allow_module_level=True)
-    _patch_interpreter_for_numpy_2_4()
 
 
 @pytest.fixture
@@ -605,7 +586,7 @@ def _compile_all_for_sm90() -> None:
     from triton.compiler import ASTSource, compile
 
     from kiln.ops.triton import gemv
-    from kiln.ops.triton.kernels import activation, attention, norm, rotary
+    from kiln.ops.triton.kernels import activation, attention, moe, norm, rotary
     from kiln.ops.triton.kernels import argmax as argmax_kernels
     from kiln.ops.triton.kernels import gemv as gemv_kernels
 
@@ -674,6 +655,13 @@ def _compile_all_for_sm90() -> None:
                    KV_SPLITS=splits, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", ONE_QUERY=one_query,
                    HAS_WINDOW=window, HAS_SOFTCAP=softcap),
               4, stages)
+    # The MoE grouped GEMM: both launches (gate/up of the routed rows, weighted down), decode and prefill blocks.
+    moe_args = dict(a_ptr=bf16, b_ptr=bf16, c_ptr=bf16, weight_ptr="*fp32", sorted_pairs_ptr="*i32",
+                    block_expert_ptr="*i32", num_pairs=i32, N=i32, K=i32, a_row_stride=i32, b_expert_stride=i32,
+                    b_row_stride=i32, c_row_stride=i32)
+    for top_k_div, weighted, block_m in ((8, False, 16), (1, True, 16), (2, False, 64), (1, True, 64)):
+        build(moe.moe_gemm_kernel, moe_args, dict(TOP_K_DIV=top_k_div, WEIGHTED=weighted, BLOCK_M=block_m,
+                                                  BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32"))
     # Every GEMV config the autotuner may pick at Llama-3-8B shapes, at every padded row count.
     gemv_args = dict(x_ptr=bf16, w_ptr=bf16, out_ptr=bf16, ws_ptr="*fp32", counter_ptr="*i32", M=i32, N=i32,
                      K=i32, x_row_stride=i32, w_row_stride=i32, out_row_stride=i32)

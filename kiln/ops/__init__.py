@@ -4,8 +4,9 @@ from kiln.ops.activation import GeluTanhAndMul, SiluAndMul
 from kiln.ops.attention import Attention
 from kiln.ops.custom_op import enabled_custom_ops, known_ops
 from kiln.ops.linear import SkinnyLinear
+from kiln.ops.moe import fused_moe
 from kiln.ops.norm import RMSNorm
 from kiln.ops.rotary import RotaryEmbedding
 
 __all__ = ["Attention", "GeluTanhAndMul", "RMSNorm", "RotaryEmbedding", "SiluAndMul", "SkinnyLinear", "enabled_custom_ops",
-           "known_ops"]
+           "fused_moe", "known_ops"]

@@ -4,7 +4,7 @@ kiln.ops.triton.activation launches it)."""
 import triton
 import triton.language as tl
 
-SQRT_2_OVER_PI = 0.7978845608028654
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit
