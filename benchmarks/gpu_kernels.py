@@ -2,10 +2,12 @@
 
     python benchmarks/gpu_kernels.py [OUT_DIR]      (default: $OUT, else benchmarks/results)
 
-Writes OUT_DIR/kernels.json and prints a short table. Checks: norm, silu-and-mul, rope (alone
-and writing the KV cache), the logits' argmax in bf16 and fp32; the KV write (exact); paged
-attention in bf16 against an fp32 reference on the same inputs, swept over cache block sizes,
-GQA ratios, head dims and context lengths in decode, prefill and mixed batches; and a CUDA-graph replay of write + attention
+Writes OUT_DIR/kernels.json and prints a short table. Checks: norm (and Gemma's unit-offset
+norms), silu-and-mul and gelu-tanh-and-mul, rope (alone and writing the KV cache), the logits'
+argmax in bf16 and fp32, the mixture-of-experts op at Qwen3-MoE's and Mixtral's shapes; the KV
+write (exact); paged attention in bf16 against an fp32 reference on the same inputs, swept over
+cache block sizes, GQA ratios, head dims and context lengths in decode, prefill and mixed
+batches (with sliding windows and Gemma 2's soft-capping); and a CUDA-graph replay of write + attention
 with new lengths. Timings (medians): decode attention at Llama-3-8B shape, and each
 elementwise kernel against its eager PyTorch equivalent, launched normally and inside a
 CUDA graph (the way kiln runs them). Imports only torch, triton and kiln.
@@ -24,21 +26,26 @@ import triton
 import triton.testing
 
 from kiln.forward_context import AttentionMetadata
-from kiln.ops.activation import silu_and_mul_native
+from kiln.ops.activation import gelu_tanh_and_mul_native, silu_and_mul_native
+from kiln.ops.moe import fused_moe_reference
 from kiln.ops.attention_reference import paged_attention_reference, write_kv_reference
 from kiln.ops.norm import fused_add_rms_norm_native, rms_norm_native
 from kiln.ops.rotary import rope_cos_sin_cache, rotary_native
-from kiln.ops.triton.activation import silu_and_mul
+from kiln.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from kiln.ops.triton.argmax import argmax
 from kiln.ops.triton.attention import choose_kv_splits, paged_attention, write_kv
+from kiln.ops.triton.moe import fused_moe as triton_fused_moe
 from kiln.ops.triton.norm import fused_add_rms_norm, rms_norm
 from kiln.ops.triton.rotary import rotary_embedding
 
 DEVICE = "cuda"
 SEQ_LENS = [1, 17, 128, 1000, 4096]
 BLOCK_SIZES = [16, 32, 64]
-# (query heads, kv heads, head dim): GQA ratios 1, 4, 8 at both head dims, and 3 at 64
-HEAD_SHAPES = [(2, 2, 64), (8, 2, 64), (16, 2, 64), (6, 2, 64), (2, 2, 128), (8, 2, 128), (16, 2, 128)]
+# (query heads, kv heads, head dim): GQA ratios 1, 4, 8 at both head dims, and 3 at 64; Gemma 2's 256
+HEAD_SHAPES = [(2, 2, 64), (8, 2, 64), (16, 2, 64), (6, 2, 64), (2, 2, 128), (8, 2, 128), (16, 2, 128),
+               (16, 8, 256)]
+GEMMA_SHAPE = (16, 8, 256)
+SOFTCAP = 0.5  # low enough to bite on these random scores (Gemma 2's own 50 would not)
 # Pass marks (bf16 inputs, fp32 reference): attention rounds probabilities to bf16 for P @ V.
 ATTENTION_MAX_REL_ERR = 1e-2
 EXACT = ("argmax", "rotary_kv_write.cache")  # checks that must match bit for bit
@@ -70,8 +77,21 @@ def check_elementwise() -> list[dict]:
         ref_out, ref_residual = fused_add_rms_norm_native(x, residual, weight, 1e-5)
         cases["fused_add_rms_norm.out"] = (out, ref_out)
         cases["fused_add_rms_norm.residual"] = (new_residual, ref_residual)
+        cases["rms_norm.unit_offset"] = (rms_norm(x, weight, 1e-6, True), rms_norm_native(x, weight, 1e-6, True))
+        out, new_residual = fused_add_rms_norm(x, residual, weight, 1e-6, True)
+        cases["fused_add_rms_norm.unit_offset"] = (out, fused_add_rms_norm_native(x, residual, weight, 1e-6, True)[0])
         gate_up = rand(300, 2 * 14336, dtype=dtype) * 3
         cases["silu_and_mul"] = (silu_and_mul(gate_up), silu_and_mul_native(gate_up))
+        cases["gelu_tanh_and_mul"] = (gelu_tanh_and_mul(gate_up), gelu_tanh_and_mul_native(gate_up))
+        # Qwen3-30B-A3B's experts (128, top 8) at decode and prefill sizes, Mixtral's (8, top 2) at 64.
+        for tokens, experts, top_k, hidden, inter in ((1, 128, 8, 2048, 768), (64, 128, 8, 2048, 768),
+                                                      (300, 128, 8, 2048, 768), (64, 8, 2, 4096, 14336)):
+            h = rand(tokens, hidden, dtype=dtype)
+            logits = rand(tokens, experts, dtype=dtype)
+            w13, w2 = rand(experts, 2 * inter, hidden, dtype=dtype) * 0.02, rand(experts, hidden, inter, dtype=dtype) * 0.02
+            cases[f"fused_moe.{experts}x{top_k}.t{tokens}"] = (
+                triton_fused_moe(h, logits, w13, w2, top_k, True), fused_moe_reference(h, logits, w13, w2, top_k, True))
+            del w13, w2
         qkv = rand(300, 48 * 128, dtype=dtype)
         q, k, _ = qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1)
         positions = torch.randint(0, 8192, (300,), device=DEVICE)
@@ -142,9 +162,10 @@ class PagedBatch:
         paged_attention(self.query, self.kv_cache, out, self.meta, self.scale, **kwargs)
         return out
 
-    def run_reference(self, window: int = 0) -> torch.Tensor:
+    def run_reference(self, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         out = torch.full(self.query.shape, float("nan"), device=DEVICE)
-        paged_attention_reference(self.query.float(), self.kv_cache.float(), out, self.meta, self.scale, window)
+        paged_attention_reference(self.query.float(), self.kv_cache.float(), out, self.meta, self.scale, window,
+                                  softcap)
         return out
 
     def rows_of(self, i: int) -> slice:
@@ -171,24 +192,29 @@ def check_attention_sweep(deadline: float) -> tuple[list[dict], list[str]]:
                     skipped.append(label)
                     continue
                 batch = PagedBatch([(q, s) for _, q, s in roles], num_heads, num_kv_heads, head_dim, block_size)
-                references = {0: batch.run_reference()}
+                references = {(0, 0.0): batch.run_reference()}
                 splits = choose_kv_splits(batch.meta, num_kv_heads, batch.query.device)
-                variants = {(splits, 0): batch.run_kernel()}
+                variants = {(splits, 0, 0.0): batch.run_kernel()}
                 if kind == "decode" and block_size == 16:  # also the unsplit decode path
-                    variants[(1, 0)] = batch.run_kernel(kv_splits=1)
+                    variants[(1, 0, 0.0)] = batch.run_kernel(kv_splits=1)
+                extra = []
                 if block_size == 16 and (num_heads, num_kv_heads, head_dim) == HEAD_SHAPES[0]:
-                    for window in (1, 100):  # Mistral's sliding window, shorter than most contexts here
-                        references[window] = batch.run_reference(window)
-                        variants[(splits, window)] = batch.run_kernel(window=window)
-                for (splits, window), out in variants.items():
+                    extra = [(1, 0.0), (100, 0.0)]  # Mistral's sliding window, shorter than most contexts here
+                if block_size == 16 and (num_heads, num_kv_heads, head_dim) == GEMMA_SHAPE:
+                    extra = [(0, SOFTCAP), (100, SOFTCAP)]  # Gemma 2's soft-capped layers, global and sliding
+                for window, softcap in extra:
+                    references[(window, softcap)] = batch.run_reference(window, softcap)
+                    variants[(splits, window, softcap)] = batch.run_kernel(window=window, softcap=softcap)
+                for (splits, window, softcap), out in variants.items():
                     padding_untouched = bool(out[batch.meta.num_actual_tokens:].isnan().all().item())
                     for i, (role, q_len, seq_len) in enumerate(roles):
                         rows = batch.rows_of(i)
                         results.append({
                             "kind": kind, "role": role, "block_size": block_size, "num_heads": num_heads,
                             "num_kv_heads": num_kv_heads, "head_dim": head_dim, "query_len": q_len,
-                            "seq_len": seq_len, "kv_splits": splits, "window": window,
-                            "padding_untouched": padding_untouched, **errors(out[rows], references[window][rows]),
+                            "seq_len": seq_len, "kv_splits": splits, "window": window, "softcap": softcap,
+                            "padding_untouched": padding_untouched,
+                            **errors(out[rows], references[(window, softcap)][rows]),
                         })
     return results, skipped
 

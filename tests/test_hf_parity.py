@@ -80,7 +80,10 @@ def test_a_checkpoint_kiln_cannot_run_exactly_is_refused_naming_the_setting(tmp_
             ("Qwen2Config", "Qwen2ForCausalLM", {"sliding_window": 8, "use_sliding_window": True,
                                                  "max_window_layers": 1}, "sliding_window=8"),
             ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True}, "attention_bias=true"),
-            ("LlamaConfig", "LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act='gelu'")]):
+            ("LlamaConfig", "LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+            ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                       "moe_intermediate_size": 32, "mlp_only_layers": [1]},
+             "mlp_only_layers=\\[1\\]")]):
         folder = tmp_path / str(i)
         _saved(folder, config_class, model_class, **settings)
         with pytest.raises(ValueError, match=f"kiln cannot run this checkpoint exactly.*{named}"):
@@ -138,6 +141,36 @@ def test_gemma2_matches_transformers(tmp_path, level):
         ours = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt))))
         theirs = hf(torch.tensor([prompt])).logits[0]
     assert theirs.abs().max() < 0.3  # the final cap bites
+    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-4
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == _hf_greedy(hf, prompt, 12)
+
+
+@pytest.mark.parametrize("config_class, model_class, settings", [
+    ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                               "norm_topk_prob": False}),
+    ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                               "norm_topk_prob": True}),
+])
+@pytest.mark.parametrize("level", [0, 2])
+def test_moe_families_match_transformers(tmp_path, config_class, model_class, settings, level):
+    """Mixtral and Qwen3-MoE (with and without renormalised routing weights): kiln::fused_moe
+    inside one capture, against transformers' expert loop."""
+    from kiln import LLM
+
+    hf = _saved(tmp_path, config_class, model_class, **settings)
+    with torch.no_grad():  # routers and Qwen3's q/k norms away from their init, so routing varies
+        for name, p in hf.named_parameters():
+            if name.endswith("gate.weight") or "q_norm" in name or "k_norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.5)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64, compilation_config=level)
+    prompt = _prompt(19, seed=3)
+    model = llm.engine.runner.model
+    with torch.inference_mode(), set_forward_context(None, {}):
+        ours = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt))))
+        theirs = hf(torch.tensor([prompt])).logits[0]
     assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-4
     out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == _hf_greedy(hf, prompt, 12)

@@ -22,6 +22,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    # Llama's layers with a mixture of experts for the MLP (ModelArchConfig.num_experts).
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
 
 

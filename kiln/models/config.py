@@ -32,6 +32,12 @@ class ModelArchConfig:
     query_pre_attn_scalar: float | None = None  # Gemma 2: scores scaled by its -1/2 power, not head_dim's
     attn_logit_softcapping: float = 0.0  # Gemma 2: scores capped to c * tanh(s / c); 0: none
     final_logit_softcapping: float = 0.0  # Gemma 2: logits capped alike; 0: none
+    # Mixture of experts (Mixtral, Qwen3-MoE): every layer's MLP is num_experts experts of
+    # moe_intermediate_size features, num_experts_per_tok of them per token; 0: a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # divide the chosen experts' probabilities by their sum
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -59,6 +65,7 @@ class ModelArchConfig:
         eos = hf.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         gemma2 = archs[0] == "Gemma2ForCausalLM"
+        experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
         return cls(
             architecture=archs[0],
             vocab_size=hf["vocab_size"],
@@ -76,13 +83,18 @@ class ModelArchConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
             qkv_bias=archs[0] == "Qwen2ForCausalLM",
-            qk_norm=archs[0] == "Qwen3ForCausalLM",
+            qk_norm=archs[0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=_sliding_window(hf) or 0,
             layer_types=tuple(hf.get("layer_types") or _gemma2_layer_types(hf["num_hidden_layers"])) if gemma2 else (),
             hidden_act=_activation(hf),
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if gemma2 else None,
             attn_logit_softcapping=(hf.get("attn_logit_softcapping") or 0.0) if gemma2 else 0.0,
             final_logit_softcapping=(hf.get("final_logit_softcapping") or 0.0) if gemma2 else 0.0,
+            num_experts=experts,
+            num_experts_per_tok=hf.get("num_experts_per_tok", 0) if experts else 0,
+            moe_intermediate_size=(hf.get("moe_intermediate_size") or hf["intermediate_size"]) if experts else 0,
+            # Mixtral always renormalises; Qwen3-MoE as its config says.
+            norm_topk_prob=hf.get("norm_topk_prob", True) if archs[0] == "Qwen3MoeForCausalLM" else True,
         )
 
     def to_hf(self) -> dict:
@@ -132,7 +144,8 @@ def _refuse_unimplemented(hf: dict) -> None:
     problems = []
     arch = (hf.get("architectures") or [hf.get("model_type", "?")])[0]
     window = _sliding_window(hf)
-    if window is not None and arch not in ("MistralForCausalLM", "LlamaForCausalLM", "Gemma2ForCausalLM"):
+    if window is not None and arch not in ("MistralForCausalLM", "LlamaForCausalLM", "Gemma2ForCausalLM",
+                                           "MixtralForCausalLM"):
         # Qwen2's window applies from layer max_window_layers on: a per-layer window kiln lacks.
         problems.append(f"sliding_window={window} with use_sliding_window (kiln has Mistral's window, the same "
                         f"in every layer; {arch}'s depends on the layer)")
@@ -142,6 +155,11 @@ def _refuse_unimplemented(hf: dict) -> None:
     act, wanted = _activation(hf), "gelu_pytorch_tanh" if arch == "Gemma2ForCausalLM" else "silu"
     if act != wanted:
         problems.append(f"hidden_act={act!r} (kiln's {arch} MLP is {wanted}-gated)")
+    if arch == "Qwen3MoeForCausalLM" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
+        problems.append(f"mlp_only_layers={hf.get('mlp_only_layers')} / decoder_sparse_step="
+                        f"{hf.get('decoder_sparse_step')} (kiln's Qwen3-MoE has experts in every layer)")
+    if hf.get("shared_expert_intermediate_size"):
+        problems.append("shared experts (kiln's MoE layer has routed experts only)")
     if hf.get("use_bidirectional_attention"):
         problems.append("use_bidirectional_attention=true (kiln's attention is causal)")
     if problems:

@@ -1,5 +1,6 @@
 """The Llama family (Llama 2, 3, 3.1, SmolLM2, Mistral with its sliding window, and Qwen2 and
-Qwen3: Llama's layers with q/k/v biases, or with per-head q/k norms).
+Qwen3: Llama's layers with q/k/v biases, or with per-head q/k norms; Mixtral and Qwen3-MoE:
+the same layers with a mixture of experts for the MLP, kiln.models.moe).
 
 Tokens of every sequence in a step are packed along one dim: input_ids and positions are
 [num_tokens], hidden states [num_tokens, hidden]. Attention finds each token's sequence
@@ -15,6 +16,7 @@ communication in a layer), and the embedding and LM head split the vocabulary.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 
 import torch
@@ -23,6 +25,7 @@ from torch import nn
 from kiln.compile import compile_dynamic, repeated_layer
 from kiln.distributed import tp_state
 from kiln.models.config import ModelArchConfig
+from kiln.models.moe import EXPERT_PROJECTIONS, SparseMoE
 from kiln.models.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -85,7 +88,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, index: int):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, f"model.layers.{index}.self_attn.attn", cfg.window_of(index))
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.num_experts else LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -116,6 +119,10 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+# A checkpoint tensor of one expert: (the MoE layer's path, expert index, projection name).
+_EXPERT = re.compile(r"(.+)\.experts\.(\d+)\.(\w+)\.weight$")
 
 
 @compile_dynamic(dynamic_arg_dims={"input_ids": 0, "positions": 0})
@@ -153,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
     def check_tensor_parallel(cfg: ModelArchConfig, size: int) -> None:
         """Fail before any process starts if `size` ranks cannot share this model evenly."""
         counts = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
-                  "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
+                  "intermediate_size": cfg.moe_intermediate_size or cfg.intermediate_size, "vocab_size": cfg.vocab_size}
         uneven = [f"{name}={n}" for name, n in counts.items() if n % size]
         if uneven:
             common = math.gcd(*counts.values())
@@ -173,10 +180,19 @@ class LlamaForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         written: set[tuple[str, int]] = set()
         for ckpt_name, tensor in weights:
-            target, shard = ckpt_name, None
+            name = ckpt_name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MLP
+            expert = _EXPERT.match(name)
+            if expert and expert[3] in EXPERT_PROJECTIONS and isinstance(modules.get(expert[1]), SparseMoE):
+                try:
+                    param, part = modules[expert[1]].load_expert(int(expert[2]), expert[3], tensor)
+                except (ValueError, IndexError) as e:
+                    raise ValueError(f"{ckpt_name}: {e}") from None
+                written.add((f"{expert[1]}.{param}", part))
+                continue
+            target, shard = name, None
             for frag, (fused, index) in self.FUSED.items():
-                if f".{frag}." in ckpt_name:
-                    target, shard = ckpt_name.replace(f".{frag}.", f".{fused}."), index
+                if f".{frag}." in name:
+                    target, shard = name.replace(f".{frag}.", f".{fused}."), index
                     break
             if target not in params:
                 if "rotary_emb.inv_freq" in ckpt_name or (
@@ -198,7 +214,10 @@ class LlamaForCausalLM(nn.Module):
         missing = []
         for name in params:
             owner = modules[name.rpartition(".")[0]]
-            shards = len(owner.output_sizes) if isinstance(owner, ColumnParallelLinear) else 1
+            if isinstance(owner, SparseMoE):
+                shards = owner.parts(name.rpartition(".")[2])
+            else:
+                shards = len(owner.output_sizes) if isinstance(owner, ColumnParallelLinear) else 1
             missing += [f"{name}[{i}]" for i in range(shards) if (name, i) not in written]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

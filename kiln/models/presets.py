@@ -52,6 +52,16 @@ PRESETS: dict[str, ModelArchConfig] = {
                                                for i in range(42)),
         hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0),
+    "mixtral-8x7b": ModelArchConfig(
+        "MixtralForCausalLM", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, bos_token_id=1, eos_token_ids=(2,),
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336),
+    "qwen3-30b-a3b": ModelArchConfig(
+        "Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, eos_token_ids=(151645, 151643),
+        qk_norm=True, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
     # A few-layer model for fast tests of anything that compiles.
     "tiny-llama": ModelArchConfig(
         "LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,

@@ -231,10 +231,15 @@ def _best_time(fn, device: str, repeats: int = 5) -> float:
 
 
 def matmul_params(cfg: ModelArchConfig) -> int:
-    """Weights multiplied per token: every projection of every layer, and the LM head."""
+    """Weights multiplied per token: every projection of every layer (of a mixture of experts,
+    the router and the token's experts), and the LM head."""
     c = cfg
     attn = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
-    return c.num_layers * (attn + 3 * c.hidden_size * c.intermediate_size) + c.vocab_size * c.hidden_size
+    if c.num_experts:
+        mlp = c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size + c.num_experts * c.hidden_size
+    else:
+        mlp = 3 * c.hidden_size * c.intermediate_size
+    return c.num_layers * (attn + mlp) + c.vocab_size * c.hidden_size
 
 
 def floor_for(cfg: ModelArchConfig, elem: int, floor: Floor, batch: int, seq_len: float, ranks: int = 1) -> dict:
@@ -244,10 +249,12 @@ def floor_for(cfg: ModelArchConfig, elem: int, floor: Floor, batch: int, seq_len
     kv_bytes = batch * seq_len * c.num_layers * 2 * c.num_kv_heads * c.head_dim * elem
     attn_flops = 4 * batch * seq_len * c.num_layers * c.num_heads * c.head_dim  # q.k and p.v
     flops = 2 * batch * matmul_params(cfg) + attn_flops
-    memory_ms = (floor.weight_bytes + kv_bytes) / ranks / floor.copy_bytes_per_s * 1e3
+    # A mixture of experts reads more experts the larger the batch.
+    weight_bytes = decode_weight_bytes(cfg, elem, batch) if cfg.num_experts else floor.weight_bytes
+    memory_ms = (weight_bytes + kv_bytes) / ranks / floor.copy_bytes_per_s * 1e3
     compute_ms = flops / ranks / floor.matmul_flops_per_s * 1e3
     return {"batch": batch, "step_ms": max(memory_ms, compute_ms), "bound": "memory" if memory_ms >= compute_ms
-            else "compute", "memory_ms": memory_ms, "compute_ms": compute_ms, "bytes": floor.weight_bytes + kv_bytes,
+            else "compute", "memory_ms": memory_ms, "compute_ms": compute_ms, "bytes": weight_bytes + kv_bytes,
             "flops": flops}
 
 

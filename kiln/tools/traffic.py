@@ -56,12 +56,23 @@ def call_sites(cfg: ModelArchConfig) -> int:
     return 2 * cfg.num_layers - 1 + 1
 
 
-def decode_weight_bytes(cfg: ModelArchConfig, elem: int) -> int:
+def active_experts(cfg: ModelArchConfig, batch: int) -> float:
+    """Experts a decode step of `batch` tokens is expected to reach, each token choosing
+    num_experts_per_tok of them uniformly (random weights route about so)."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return e * (1 - (1 - k / e) ** batch)
+
+
+def decode_weight_bytes(cfg: ModelArchConfig, elem: int, batch: int = 1) -> int:
     """Bytes of weights one decode step reads: every weight but the embedding table, which
-    decode only gathers a row of (a tied LM head is still read whole, as the head)."""
+    decode only gathers a row of (a tied LM head is still read whole, as the head). Of a
+    mixture of experts, the router and the experts the batch reaches (active_experts)."""
     c = cfg
     attn = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
-    mlp = 3 * c.hidden_size * c.intermediate_size
+    if c.num_experts:
+        mlp = round(active_experts(c, batch) * 3 * c.hidden_size * c.moe_intermediate_size) + c.num_experts * c.hidden_size
+    else:
+        mlp = 3 * c.hidden_size * c.intermediate_size
     norms = 2 * c.hidden_size
     layers = c.num_layers * (attn + mlp + norms)
     return (layers + c.hidden_size + c.vocab_size * c.hidden_size) * elem
