@@ -41,7 +41,7 @@ def test_no_compile_shows_every_split_op_with_its_source_and_the_pieces(tmp_path
     assert ("CUDA graphs, decode (uniform decode batches): full over the inductor forward; "
             "7 buckets: 1, 2, 4, 8, 16, 24, 32") in out
     assert "CUDA graphs, prefill (mixed batches): piecewise" in out and "graphs pass through" in out
-    assert "custom ops enabled: silu_and_mul (of fused_add_rms_norm, rms_norm" in out
+    assert "custom ops enabled: silu_and_mul (of fused_add_rms_norm, gelu_tanh_and_mul, rms_norm" in out
     assert "--no-compile" in out and "cache entry: no entry yet" in out
     graph = Path(re.search(r"split graph as Python: (\S+)", out).group(1))
     assert "class SplitGraph" in graph.read_text() and "# unique piece 3:" in graph.read_text()
