@@ -104,3 +104,69 @@ def test_kiln_s_dequantization_gives_gguf_s_bits_for_every_tensor_of_the_embedde
         assert np.array_equal(want.view(np.uint32), got.view(np.uint32)), t.name
         kinds.add(kind.name)
     assert {"Q4_1", "Q8_0"} <= kinds  # both torch paths ran
+
+
+def _llama_gguf(path, rope_freqs=None, **metadata):
+    """A tiny llama-architecture GGUF holding its config and the tensors given (no tokenizer)."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(256)
+    for key, value in metadata.items():
+        writer.add_string(key, value) if isinstance(value, str) else writer.add_float32(key, value)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_rope_freqs_give_llama31_rope(tmp_path):
+    """Llama 3.1 GGUF files carry their rope scaling as rope_freqs, one divisor per frequency,
+    computed by llama.cpp's converter from the llama3 settings (as below): kiln must give the
+    frequencies that the llama3 settings give."""
+    import math
+
+    from kiln.loader.gguf_file import GGUFCheckpoint
+    from kiln.ops.rotary import rope_inv_freq
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    base, dim = 500000.0, 16
+    factors = []
+    for freq in (1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))).tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < 8192 / 4.0:
+            factors.append(1.0)
+        elif wavelen > 8192 / 1.0:
+            factors.append(8.0)
+        else:
+            smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+            factors.append(1 / ((1 - smooth) / 8.0 + smooth))
+    cfg = GGUFCheckpoint(_llama_gguf(tmp_path / "l31.gguf", rope_freqs=factors)).config()
+    assert cfg.rope_scaling["rope_type"] == "freq_factors"
+    torch.testing.assert_close(rope_inv_freq(dim, cfg.rope_theta, cfg.rope_scaling), rope_inv_freq(dim, base, scaling),
+                               rtol=1e-6, atol=0)
+    assert not torch.allclose(rope_inv_freq(dim, base, None), rope_inv_freq(dim, base, scaling))
+
+
+def test_gguf_rope_scaling_metadata(tmp_path):
+    from kiln.loader.gguf_file import GGUFCheckpoint
+
+    linear = GGUFCheckpoint(_llama_gguf(tmp_path / "linear.gguf", **{"llama.rope.scaling.type": "linear",
+                                                                      "llama.rope.scaling.factor": 4.0})).config()
+    assert linear.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    yarn = _llama_gguf(tmp_path / "yarn.gguf", **{"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0})
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
+        GGUFCheckpoint(yarn).config()

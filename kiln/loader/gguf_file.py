@@ -58,10 +58,25 @@ class GGUFCheckpoint:
             max_position_embeddings=f.get(f"{a}.context_length", 4096),
             rms_norm_eps=float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(f.get(f"{a}.rope.freq_base", 10000.0)),
+            rope_scaling=self._rope_scaling(),
             tie_word_embeddings="output.weight" not in names,
             bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(eos,) if eos is not None else (),
         )
+
+    def _rope_scaling(self) -> dict | None:
+        """Llama 3.1's scaling arrives as a rope_freqs tensor (a divisor per frequency); linear
+        scaling as metadata. Any other kind is refused: its positions would be wrong."""
+        freqs = next((t for t in self.tensors if t.name == "rope_freqs.weight"), None)
+        if freqs is not None:
+            return {"rope_type": "freq_factors", "factors": tuple(np.asarray(freqs.data, dtype=np.float32).ravel().tolist())}
+        kind = self.fields.get(f"{self.arch}.rope.scaling.type", "none")
+        if kind == "none":
+            return None
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": float(self.fields[f"{self.arch}.rope.scaling.factor"])}
+        raise ValueError(f"{self.path}: rope scaling {kind!r} is not supported (kiln reads linear scaling and "
+                         f"rope_freqs factors from GGUF)")
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf_fields(self.fields)
@@ -77,7 +92,7 @@ class GGUFCheckpoint:
             patterns.update({g.format(i=i): h.format(i=i) for g, h in _NAMES.items()})
         for t in self.tensors:
             if t.name not in patterns:
-                if t.name.startswith("rope_freqs"):
+                if t.name == "rope_freqs.weight":  # read by config() as the rope scaling
                     continue
                 raise ValueError(f"{self.path}: unexpected tensor {t.name!r}")
             w = dequantized(t.data, GGMLQuantizationType(t.tensor_type), dequantize)

@@ -16,6 +16,13 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.T
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "freq_factors":
+        # llama.cpp's rope_freqs tensor (Llama 3.1 GGUF files): each frequency's own divisor,
+        # which its converter computed from the llama3 settings.
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope frequency factors: {factors.numel()} given, the rotary dim needs {inv_freq.numel()}")
+        return inv_freq / factors
     if kind == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the
         # band between is blended smoothly.
@@ -29,7 +36,8 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.T
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, blended, scaled)
     raise ValueError(
-        f"rope scaling type {kind!r} is not supported; kiln knows 'default', 'linear' and 'llama3'"
+        f"rope scaling type {kind!r} is not supported; kiln knows 'default', 'linear', 'llama3' and "
+        f"'freq_factors' (GGUF's rope_freqs)"
     )
 
 
