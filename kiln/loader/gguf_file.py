@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from kiln.loader.gguf_header import read_gguf
 from kiln.loader.tokenizer import Tokenizer
 from kiln.models.config import ModelArchConfig
 
-# GGUF tensor name -> HF name; {i} is the layer index.
+# GGUF tensor name -> HF name; {i} is the layer index. Each architecture adds its own below.
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -27,7 +28,23 @@ _NAMES = {
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
-SUPPORTED_ARCHITECTURES = ("llama",)
+_EXTRA_NAMES = {
+    "qwen2": {f"blk.{{i}}.attn_{x}.bias": f"model.layers.{{i}}.self_attn.{x}_proj.bias" for x in "qkv"},
+    "qwen3": {"blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+              "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight"},
+    # Gemma 2's ffn_norm is its pre-feed-forward norm; the post-norms have their own names.
+    "gemma2": {"blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+               "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+               "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight"},
+}
+_MOE_NAMES = {"blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight"}
+# Stacked experts [experts, out, in] -> each expert's HF projection.
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_EXPERT_STACK = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
+_EXTRA_NAMES["qwen3moe"] = {**_EXTRA_NAMES["qwen3"], **_MOE_NAMES}
+# llama.cpp architecture -> the HF architecture kiln builds ("llama" with experts is Mixtral).
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "gemma2": "Gemma2ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 
 
 class GGUFCheckpoint:
@@ -37,7 +54,8 @@ class GGUFCheckpoint:
         arch = self.fields.get("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"{self.path}: GGUF architecture {arch!r} is not supported; kiln reads "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUF files (Llama 2/3, SmolLM2, ...)")
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUF files (Llama 2/3, SmolLM2, Mistral, "
+                             f"Mixtral, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 2)")
         self.arch = arch
 
     def config(self) -> ModelArchConfig:
@@ -46,15 +64,21 @@ class GGUFCheckpoint:
         hidden = f[f"{a}.embedding_length"]
         names = {t.name for t in self.tensors}
         eos = f.get("tokenizer.ggml.eos_token_id")
+        experts = f.get(f"{a}.expert_count", 0)
+        head_dim = f.get(f"{a}.attention.key_length") or f.get(f"{a}.rope.dimension_count") or hidden // heads
+        architecture = "MixtralForCausalLM" if a == "llama" and experts else SUPPORTED_ARCHITECTURES[a]
+        gemma2 = a == "gemma2"
+        layers = f[f"{a}.block_count"]
+        window = f.get(f"{a}.attention.sliding_window", 0) if gemma2 else 0
         return ModelArchConfig(
-            architecture="LlamaForCausalLM",
+            architecture=architecture,
             vocab_size=f.get(f"{a}.vocab_size") or len(f["tokenizer.ggml.tokens"]),
             hidden_size=hidden,
             intermediate_size=f[f"{a}.feed_forward_length"],
-            num_layers=f[f"{a}.block_count"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=f.get(f"{a}.attention.head_count_kv", heads),
-            head_dim=f.get(f"{a}.rope.dimension_count", hidden // heads),
+            head_dim=head_dim,
             max_position_embeddings=f.get(f"{a}.context_length", 4096),
             rms_norm_eps=float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(f.get(f"{a}.rope.freq_base", 10000.0)),
@@ -62,6 +86,22 @@ class GGUFCheckpoint:
             tie_word_embeddings="output.weight" not in names,
             bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(eos,) if eos is not None else (),
+            qkv_bias=a == "qwen2",
+            qk_norm=a in ("qwen3", "qwen3moe"),
+            sliding_window=window,
+            layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+            if gemma2 else (),
+            hidden_act="gelu_pytorch_tanh" if gemma2 else "silu",
+            # llama.cpp scales Gemma 2's scores by head_dim, but by hidden / heads for the 27B (46 layers),
+            # as its query_pre_attn_scalar says; the GGUF file does not store it.
+            query_pre_attn_scalar=(hidden // heads if layers == 46 else head_dim) if gemma2 else None,
+            attn_logit_softcapping=float(f.get(f"{a}.attn_logit_softcapping", 0.0)) if gemma2 else 0.0,
+            final_logit_softcapping=float(f.get(f"{a}.final_logit_softcapping", 0.0)) if gemma2 else 0.0,
+            num_experts=experts,
+            num_experts_per_tok=f.get(f"{a}.expert_used_count", 0) if experts else 0,
+            moe_intermediate_size=f.get(f"{a}.expert_feed_forward_length", f[f"{a}.feed_forward_length"])
+            if experts else 0,
+            norm_topk_prob=bool(f.get(f"{a}.expert_weights_norm", True)),
         )
 
     def _rope_scaling(self) -> dict | None:
@@ -87,20 +127,32 @@ class GGUFCheckpoint:
         from gguf.quants import dequantize
 
         cfg = self.config()
+        names = {**_NAMES, **_EXTRA_NAMES.get(self.arch, {}), **(_MOE_NAMES if cfg.num_experts else {})}
         patterns = {}
         for i in range(cfg.num_layers):
-            patterns.update({g.format(i=i): h.format(i=i) for g, h in _NAMES.items()})
+            patterns.update({g.format(i=i): h.format(i=i) for g, h in names.items()})
         for t in self.tensors:
-            if t.name not in patterns:
+            stack = _EXPERT_STACK.match(t.name) if cfg.num_experts else None
+            if t.name not in patterns and stack is None:
                 if t.name == "rope_freqs.weight":  # read by config() as the rope scaling
                     continue
                 raise ValueError(f"{self.path}: unexpected tensor {t.name!r}")
             w = dequantized(t.data, GGMLQuantizationType(t.tensor_type), dequantize)
             w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
-            if t.name.endswith("attn_q.weight"):
+            # llama.cpp's converter interleaves q/k rotary halves for the llama architecture only.
+            if self.arch == "llama" and t.name.endswith("attn_q.weight"):
                 w = _unpermute(w, cfg.num_heads)
-            elif t.name.endswith("attn_k.weight"):
+            elif self.arch == "llama" and t.name.endswith("attn_k.weight"):
                 w = _unpermute(w, cfg.num_kv_heads)
+            elif self.arch == "gemma2" and t.name.endswith("norm.weight"):
+                w = w - 1  # its converter stores Gemma's norms as 1 + w
+            if stack is not None:
+                layer, kind = stack.groups()
+                for e in range(w.shape[0]):
+                    expert = np.ascontiguousarray(w[e])
+                    yield (f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_STACKS[kind]}.weight",
+                           torch.from_numpy(expert if expert.flags.writeable else expert.copy()))
+                continue
             w = np.ascontiguousarray(w)
             yield patterns[t.name], torch.from_numpy(w if w.flags.writeable else w.copy())
 

@@ -23,6 +23,10 @@ _PRE_TOKENIZERS = {
     "llama-bpe": lambda: pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"), _BYTES]),
 }
+# Qwen2/2.5/3: Llama 3's split with every digit on its own.
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+_PRE_TOKENIZERS["qwen2"] = lambda: pre_tokenizers.Sequence([
+    pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated"), _BYTES])
 _PRE_TOKENIZERS["starcoder"] = _PRE_TOKENIZERS["smollm"]
 _PRE_TOKENIZERS["llama3"] = _PRE_TOKENIZERS["llama-bpe"]
 
@@ -89,11 +93,15 @@ class Tokenizer:
             raise ValueError(f"GGUF tokenizer model {model!r} is not supported; kiln builds "
                              f"byte-level BPE ('gpt2') tokenizers from GGUF")
         tokens = fields["tokenizer.ggml.tokens"]
-        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
         backend = Backend(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                               fuse_unk=False, byte_fallback=False))
         pre = fields.get("tokenizer.ggml.pre", "gpt2")
-        backend.pre_tokenizer = _PRE_TOKENIZERS.get(pre, _PRE_TOKENIZERS["gpt2"])()
+        if pre not in _PRE_TOKENIZERS:
+            # Another split would give other token ids for the same text: refused, not guessed.
+            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; kiln knows "
+                             f"{', '.join(sorted(_PRE_TOKENIZERS))}")
+        backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
         backend.decoder = decoders.ByteLevel()
         types = fields.get("tokenizer.ggml.token_type", [])
         backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
