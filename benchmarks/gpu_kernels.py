@@ -27,7 +27,7 @@ import triton.testing
 
 from kiln.forward_context import AttentionMetadata
 from kiln.ops.activation import gelu_tanh_and_mul_native, silu_and_mul_native
-from kiln.ops.moe import fused_moe_reference
+from kiln.ops.moe import fused_moe_reference, route
 from kiln.ops.attention_reference import paged_attention_reference, write_kv_reference
 from kiln.ops.norm import fused_add_rms_norm_native, rms_norm_native
 from kiln.ops.rotary import rope_cos_sin_cache, rotary_native
@@ -90,7 +90,8 @@ def check_elementwise() -> list[dict]:
             logits = rand(tokens, experts, dtype=dtype)
             w13, w2 = rand(experts, 2 * inter, hidden, dtype=dtype) * 0.02, rand(experts, hidden, inter, dtype=dtype) * 0.02
             cases[f"fused_moe.{experts}x{top_k}.t{tokens}"] = (
-                triton_fused_moe(h, logits, w13, w2, top_k, True), fused_moe_reference(h, logits, w13, w2, top_k, True))
+                triton_fused_moe(h, *route(logits, top_k, True), w13, w2),
+                fused_moe_reference(h, logits, w13, w2, top_k, True))
             del w13, w2
         qkv = rand(300, 48 * 128, dtype=dtype)
         q, k, _ = qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1)

@@ -87,5 +87,6 @@ def test_triton_matches_reference(tokens, top_k, renormalize, dtype, tol):
     x, logits, w13, w2 = _inputs(tokens, dtype=dtype)
     expected = fused_moe_reference(x, logits, w13, w2, top_k, renormalize)
     for block_m in (None, 16):
-        torch.testing.assert_close(triton_fused_moe(x, logits, w13, w2, top_k, renormalize, block_m=block_m),
-                                   expected, atol=tol, rtol=tol)
+        weights, ids = route(logits, top_k, renormalize)
+        torch.testing.assert_close(triton_fused_moe(x, weights, ids, w13, w2, block_m=block_m), expected,
+                                   atol=tol, rtol=tol)

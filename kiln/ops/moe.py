@@ -77,4 +77,5 @@ def _(hidden, router_logits, w13, w2, top_k, renormalize):
     from kiln.ops.triton.moe import fused_moe as triton_fused_moe
 
     _check(hidden, router_logits, w13, w2, top_k)
-    return triton_fused_moe(hidden, router_logits, w13, w2, top_k, renormalize)
+    weights, ids = route(router_logits, top_k, renormalize)
+    return triton_fused_moe(hidden, weights, ids, w13, w2)

@@ -1,4 +1,5 @@
-"""A mixture-of-experts MLP on the GPU: routing, tokens sorted by expert, two grouped GEMMs.
+"""A mixture-of-experts MLP on the GPU, given each token's experts and routing weights (kiln.ops.moe
+routes): tokens sorted by expert, two grouped GEMMs.
 
 Every step runs on the device with shapes fixed by the token count (no host sync, so it can be
 captured in a CUDA graph): the (token, slot) pairs are sorted by expert and each expert's run
@@ -13,7 +14,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from kiln.ops.moe import route
 from kiln.ops.triton.activation import silu_and_mul
 from kiln.ops.triton.kernels.moe import moe_gemm_kernel
 
@@ -61,16 +61,17 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_pa
     )
 
 
-def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              top_k: int, renormalize: bool, block_m: int | None = None) -> torch.Tensor:
-    """kiln::fused_moe on CUDA (kiln.ops.moe states what it computes)."""
+def fused_moe(hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              block_m: int | None = None) -> torch.Tensor:
+    """kiln::fused_moe on CUDA after routing (kiln.ops.moe states what it computes): weights [T, top_k]
+    fp32 and ids [T, top_k] of each token's experts."""
     for name, t in (("hidden", hidden), ("w13", w13), ("w2", w2)):
         if t.stride(-1) != 1:
             raise ValueError(f"fused_moe: {name}'s last dim must be contiguous, got strides {t.stride()}")
     tokens, num_experts = hidden.shape[0], w13.shape[0]
     if tokens == 0:
         return torch.empty_like(hidden)
-    weights, ids = route(router_logits, top_k, renormalize)
+    top_k = ids.shape[1]
     pairs = tokens * top_k
     block_m = block_m or block_rows(pairs, num_experts)
     sorted_pairs, block_expert = sort_by_expert(ids, num_experts, block_m)
