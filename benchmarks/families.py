@@ -41,19 +41,25 @@ def free(llm: LLM, device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def greedy_tokens(preset: str, args, level: int | None) -> tuple[list[list[int]], float]:
-    """Greedy tokens of 4 random prompts; level None is the default mode."""
-    start = time.perf_counter()
-    llm = LLM(preset, device=args.device, dtype=args.dtype, max_num_seqs=8, max_model_len=256, num_kv_blocks=128,
-              **({} if level is None else {"compilation_config": level}))
-    startup = time.perf_counter() - start
+def greedy(llm: LLM, args) -> list[list[int]]:
+    """Greedy tokens of 4 random prompts."""
     gen = torch.Generator().manual_seed(3)
     vocab = llm.engine.source.config.vocab_size
     prompts = [torch.randint(0, vocab, (20 + 7 * i,), generator=gen).tolist() for i in range(4)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True),
                         use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+def greedy_tokens(preset: str, args, level: int) -> tuple[list[list[int]], float]:
+    """greedy() of an engine at -O<level>, and its start-up seconds."""
+    start = time.perf_counter()
+    llm = LLM(preset, device=args.device, dtype=args.dtype, max_num_seqs=8, max_model_len=256, num_kv_blocks=128,
+              compilation_config=level)
+    startup = time.perf_counter() - start
+    tokens = greedy(llm, args)
     free(llm, args.device)
-    return [o.token_ids for o in outs], startup
+    return tokens, startup
 
 
 def run_preset(preset: str, args, rates: tuple[float, float]) -> dict:
@@ -74,9 +80,9 @@ def run_preset(preset: str, args, rates: tuple[float, float]) -> dict:
         out["points"].append(point)
         print(f"{preset:12s} b{batch:<4d} engine step {point['engine_step_ms']:6.2f} ms, floor "
               f"{point['floor_ms']:6.2f} ms ({point['vs_floor']:.2f}x)", flush=True)
+    default = greedy(llm, args)
     free(llm, args.device)
     eager, out["eager_startup_s"] = greedy_tokens(preset, args, 0)
-    default, _ = greedy_tokens(preset, args, None)
     compiled, out["O2_startup_s"] = greedy_tokens(preset, args, 2)
     out["default_tokens_equal_eager"] = default == eager
     out["O2_tokens_equal_eager"] = compiled == eager
