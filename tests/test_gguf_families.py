@@ -170,3 +170,49 @@ def test_unknown_pre_tokenizer_is_refused(tmp_path):
     with pytest.raises(ValueError, match="pre-tokenizer 'deepseek-coder' is not supported"):
         Tokenizer.from_gguf_fields(fields)
     assert load_source(str(path)).tokenizer is not None
+
+
+SPM_TEXTS = ["the cat sings in the rain", "Hello, world!", "  two leading spaces", "tab\\tand\\nnewline",
+             "日本語 🙂", "<s> a special token, then the end</s>", "theinthe"]
+
+
+def _sentencepiece_gguf(path, arch: str) -> None:
+    """A small SentencePiece vocabulary as llama.cpp stores one (tokenizer model 'llama'): control
+    tokens, the 256 <0xNN> byte tokens, then pieces with descending scores."""
+    pieces = ["▁", "t", "h", "e", "a", "i", "n", "g", "s", "r", "c", "o", "w", "l", "d", ",", "!", "H",
+              "he", "▁t", "▁the", "in", "ing", "▁a", "er", "re", "on", "at", "▁c", "▁cat", "▁s", "▁sing", "▁r",
+              "ai", "ain", "▁rain", "▁in", "ll", "llo", "▁w", "or", "orl", "▁wor", "▁H", "▁Hel", "el", "  ", "   "]
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"] if arch == "gemma2" else ["<unk>", "<s>", "</s>"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [3] * len(specials) + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * (len(specials) + 256) + [-float(i) for i in range(len(pieces))]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    bos, eos = (2, 1) if arch == "gemma2" else (1, 2)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    w.add_unk_token_id(3 if arch == "gemma2" else 0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path, arch):
+    """Llama 2 / Mistral (and Gemma) GGUF files: kiln's tokenizer gives transformers' ids and text."""
+    from kiln.loader.gguf_header import read_gguf
+    from kiln.loader.tokenizer import Tokenizer
+
+    path = tmp_path / "spm.gguf"
+    _sentencepiece_gguf(path, arch)
+    ours = Tokenizer.from_gguf_fields(read_gguf(path)[0], arch)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in SPM_TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    assert ours.encode("the")[0] == (2 if arch == "gemma2" else 1)  # BOS first

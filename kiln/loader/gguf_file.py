@@ -119,7 +119,7 @@ class GGUFCheckpoint:
                          f"rope_freqs factors from GGUF)")
 
     def tokenizer(self) -> Tokenizer:
-        return Tokenizer.from_gguf_fields(self.fields)
+        return Tokenizer.from_gguf_fields(self.fields, self.arch)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named fp32 tensors, dequantized one at a time to keep peak memory low."""

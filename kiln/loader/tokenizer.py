@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer as Backend, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer as Backend, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
 # llama.cpp's pre-tokenizer names -> how the text is split before BPE merges.
@@ -86,34 +86,76 @@ class Tokenizer:
         return cls(backend, template, bos, eos, eos_token_ids)
 
     @classmethod
-    def from_gguf_fields(cls, fields: dict) -> "Tokenizer":
-        """From llama.cpp's tokenizer.ggml.* metadata (a gpt2-style BPE vocabulary)."""
+    def from_gguf_fields(cls, fields: dict, architecture: str | None = None) -> "Tokenizer":
+        """From llama.cpp's tokenizer.ggml.* metadata: a byte-level BPE vocabulary ('gpt2') or a
+        SentencePiece one ('llama': Llama 2, Mistral, Gemma)."""
         model = fields.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {model!r} is not supported; kiln builds "
-                             f"byte-level BPE ('gpt2') tokenizers from GGUF")
         tokens = fields["tokenizer.ggml.tokens"]
-        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
-        backend = Backend(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                              fuse_unk=False, byte_fallback=False))
-        pre = fields.get("tokenizer.ggml.pre", "gpt2")
-        if pre not in _PRE_TOKENIZERS:
-            # Another split would give other token ids for the same text: refused, not guessed.
-            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; kiln knows "
-                             f"{', '.join(sorted(_PRE_TOKENIZERS))}")
-        backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
-        backend.decoder = decoders.ByteLevel()
+        if model == "gpt2":
+            backend = _byte_level_bpe(fields, tokens)
+        elif model == "llama":
+            backend = _sentencepiece_bpe(fields, tokens, gemma=architecture == "gemma2")
+        else:
+            raise ValueError(f"GGUF tokenizer model {model!r} is not supported; kiln builds byte-level BPE "
+                             f"('gpt2') and SentencePiece ('llama') tokenizers from GGUF")
         types = fields.get("tokenizer.ggml.token_type", [])
         backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                     for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)])
         bos_id, eos_id = fields.get("tokenizer.ggml.bos_token_id"), fields.get("tokenizer.ggml.eos_token_id")
         bos = tokens[bos_id] if bos_id is not None else None
-        if fields.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+        if fields.get("tokenizer.ggml.add_bos_token", model == "llama") and bos is not None:
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1", special_tokens=[(bos, bos_id)])
         eos = tokens[eos_id] if eos_id is not None else None
         return cls(backend, fields.get("tokenizer.chat_template"), bos, eos,
                    (eos_id,) if eos_id is not None else ())
+
+
+def _byte_level_bpe(fields: dict, tokens: list[str]) -> Backend:
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
+    backend = Backend(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                          fuse_unk=False, byte_fallback=False))
+    pre = fields.get("tokenizer.ggml.pre", "gpt2")
+    if pre not in _PRE_TOKENIZERS:
+        # Another split would give other token ids for the same text: refused, not guessed.
+        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; kiln knows "
+                         f"{', '.join(sorted(_PRE_TOKENIZERS))}")
+    backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(fields: dict, tokens: list[str], gemma: bool) -> Backend:
+    """SentencePiece's BPE as a `tokenizers` BPE: bytes outside the vocabulary fall back to <0xNN>
+    tokens, and a space is the piece "▁". The files hold no merges: every split of a token into two
+    tokens of the vocabulary is a merge, the best-scoring token's first; Gemma's scores do not
+    follow its merge order, its tokens' order in the file does (as transformers reads Gemma files)."""
+    if gemma:  # Gemma stores tokens of two or more spaces as spaces; its normalizer looks for "▁"s
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = [-float(i) for i in range(len(tokens))]
+    else:
+        scores = [float(x) for x in fields["tokenizer.ggml.scores"]]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    candidates = []
+    for token, score in zip(tokens, scores):
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        candidates += [(left, right, score) for left, right in sorted(splits, key=lambda m: (vocab[m[0]], vocab[m[1]]))]
+    # Best score first; between equal scores the longer left piece, then the longer right one.
+    candidates.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    unk_id = fields.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None else ("<unk>" if "<unk>" in vocab else None)
+    backend = Backend(BPE(vocab=vocab, merges=[(left, right) for left, right, _ in candidates], unk_token=unk,
+                          fuse_unk=True, byte_fallback=True))
+    if gemma:
+        backend.normalizer = normalizers.Replace(" ", "▁")
+        backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+        backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    else:  # Llama 2 / Mistral: a "▁" before the first word, none after special tokens
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                             decoders.Strip(content=" ", left=1)])
+    return backend
 
 
 def _token_text(token) -> str | None:
