@@ -82,7 +82,7 @@ def test_eager_has_nothing_to_split_and_says_so():
     text = render(report)
     assert "eager: the forward runs as the model's own Python" in text and "(the default is -O2)" in text
     assert "CUDA graphs, decode (uniform decode batches): none over the eager forward; no buckets" in text
-    assert "custom ops enabled: fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul" in text
+    assert "custom ops enabled: fused_add_rms_norm, gelu_tanh_and_mul, rms_norm, rotary_embedding, silu_and_mul" in text
 
 
 def test_with_the_cache_off_the_split_graph_is_written_for_the_run(monkeypatch):
