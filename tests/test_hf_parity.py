@@ -94,56 +94,50 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _assert_matches(tmp_path, hf, level: int, moved, **engine):
+    """Move the parameters `moved(name)` picks off their init (a family's own weights: biases, norms,
+    routers), save, and compare kiln with transformers: logits within 1e-4 relative, greedy tokens
+    equal. Returns kiln's engine and transformers' logits."""
+    from kiln import LLM
+
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if moved(name):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.5)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64, compilation_config=level, **engine)
+    prompt = _prompt(19, seed=3)
+    model = llm.engine.runner.model
+    with torch.inference_mode(), set_forward_context(None, {}):
+        ours = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt))))
+        theirs = hf(torch.tensor([prompt])).logits[0]
+    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-4
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == _hf_greedy(hf, prompt, 12)
+    return llm, theirs
+
+
 @pytest.mark.parametrize("config_class, model_class, settings", [
     ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
     ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False}),
 ])
 @pytest.mark.parametrize("level", [0, 2])
 def test_qwen_families_match_transformers(tmp_path, config_class, model_class, settings, level):
-    from kiln import LLM
-
     hf = _saved(tmp_path, config_class, model_class, **settings)
-    with torch.no_grad():  # the families' own parameters are not all-zero: biases, per-head norms
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or "q_norm" in name or "k_norm" in name:
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.5)
-    hf.save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64, compilation_config=level)
-    prompt = _prompt(19, seed=3)
-    model = llm.engine.runner.model
-    with torch.inference_mode(), set_forward_context(None, {}):
-        ours = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt))))
-        theirs = hf(torch.tensor([prompt])).logits[0]
-    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-4
-    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
-    assert out.token_ids == _hf_greedy(hf, prompt, 12)
+    _assert_matches(tmp_path, hf, level, lambda name: name.endswith("bias") or "q_norm" in name or "k_norm" in name)
 
 
 @pytest.mark.parametrize("level", [0, 2])
 def test_gemma2_matches_transformers(tmp_path, level):
     """Alternating windows (8, then the whole context) over a longer prompt, the norms' 1 + w, the
     embedding scale, GELU-tanh, and both soft-caps set low enough to change the result."""
-    from kiln import LLM
-
     hf = _saved(tmp_path, "Gemma2Config", "Gemma2ForCausalLM", sliding_window=8, query_pre_attn_scalar=1,
                 attn_logit_softcapping=0.05, final_logit_softcapping=0.3, num_hidden_layers=3)
-    with torch.no_grad():  # HF starts Gemma's norms at 0 (a scale of 1): move them
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.5)
-    hf.save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64, block_size=4,
-              max_num_batched_tokens=8, compilation_config=level)
-    model = llm.engine.runner.model
-    assert [layer.self_attn.attn.window for layer in model.model.layers] == [8, 0, 8]
-    prompt = _prompt(19, seed=3)
-    with torch.inference_mode(), set_forward_context(None, {}):
-        ours = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt))))
-        theirs = hf(torch.tensor([prompt])).logits[0]
+    # HF starts Gemma's norms at 0 (a scale of 1): moved. Blocks of 4 and chunks of 8 cross the window.
+    llm, theirs = _assert_matches(tmp_path, hf, level, lambda name: "norm" in name, block_size=4,
+                                  max_num_batched_tokens=8)
+    assert [layer.self_attn.attn.window for layer in llm.engine.runner.model.model.layers] == [8, 0, 8]
     assert theirs.abs().max() < 0.3  # the final cap bites
-    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-4
-    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
-    assert out.token_ids == _hf_greedy(hf, prompt, 12)
 
 
 @pytest.mark.parametrize("config_class, model_class, settings", [
@@ -156,21 +150,6 @@ def test_gemma2_matches_transformers(tmp_path, level):
 @pytest.mark.parametrize("level", [0, 2])
 def test_moe_families_match_transformers(tmp_path, config_class, model_class, settings, level):
     """Mixtral and Qwen3-MoE (with and without renormalised routing weights): kiln::fused_moe
-    inside one capture, against transformers' expert loop."""
-    from kiln import LLM
-
+    inside one capture, against transformers' expert loop. Routers moved, so routing varies."""
     hf = _saved(tmp_path, config_class, model_class, **settings)
-    with torch.no_grad():  # routers and Qwen3's q/k norms away from their init, so routing varies
-        for name, p in hf.named_parameters():
-            if name.endswith("gate.weight") or "q_norm" in name or "k_norm" in name:
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.5)
-    hf.save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64, compilation_config=level)
-    prompt = _prompt(19, seed=3)
-    model = llm.engine.runner.model
-    with torch.inference_mode(), set_forward_context(None, {}):
-        ours = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt))))
-        theirs = hf(torch.tensor([prompt])).logits[0]
-    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-4
-    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
-    assert out.token_ids == _hf_greedy(hf, prompt, 12)
+    _assert_matches(tmp_path, hf, level, lambda name: name.endswith("gate.weight") or "q_norm" in name or "k_norm" in name)

@@ -17,8 +17,8 @@ from torch import nn
 
 from kiln.compile import compile_dynamic, repeated_layer
 from kiln.models.config import ModelArchConfig
-from kiln.models.llama import LlamaAttention, LlamaForCausalLM
-from kiln.models.parallel_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from kiln.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
+from kiln.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from kiln.ops import GeluTanhAndMul, RMSNorm, RotaryEmbedding
 
 
@@ -56,26 +56,20 @@ class Gemma2DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class Gemma2Model(nn.Module):
+class Gemma2Model(LlamaModel):
+    layer_class = Gemma2DecoderLayer
+    norm_unit_offset = True
+
     def __init__(self, cfg: ModelArchConfig):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.head_dim, cfg.max_position_embeddings,
-                                 cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(cfg, rotary, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
+        super().__init__(cfg)
         self.embed_scale = cfg.hidden_size**0.5
 
     def init_buffers(self, device: torch.device) -> None:
         # HF multiplies by sqrt(hidden_size) rounded to the weights' dtype (59.75, not 59.87, in bf16).
         self.embed_scale = torch.tensor(self.embed_scale, dtype=self.embed_tokens.weight.dtype).item()
 
-    def forward(self, input_ids, positions):
-        hidden, residual = self.embed_tokens(input_ids) * self.embed_scale, None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
 
 
 @compile_dynamic(dynamic_arg_dims={"input_ids": 0, "positions": 0})

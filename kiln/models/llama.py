@@ -105,16 +105,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # A family with other layers or norms sets its own (Gemma 2).
+    layer_class: type[nn.Module] = LlamaDecoderLayer
+    norm_unit_offset = False
+
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.head_dim, cfg.max_position_embeddings,
                                  cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_class(cfg, rotary, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=self.norm_unit_offset)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions):
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden, residual = self.embed(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
