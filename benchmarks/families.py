@@ -115,6 +115,17 @@ def main() -> None:
         except Exception as e:  # one family that fails must not lose the others' numbers
             results.append({"preset": preset, "error": f"{type(e).__name__}: {e}".splitlines()[0]})
             print(f"{preset}: {results[-1]['error']}", flush=True)
+        write_report(results, rates, args)  # after each preset: a run cut short keeps what it measured
+    print(f"\n{'preset':12s} {'batch':>5s} {'step ms':>8s} {'floor ms':>8s} {'vs floor':>8s} {'vs llama':>8s}  tokens")
+    for r in results:
+        for point in r.get("points", []):
+            print(f"{r['preset']:12s} {point['batch']:>5d} {point['engine_step_ms']:>8.2f} {point['floor_ms']:>8.2f} "
+                  f"{point['vs_floor']:>7.2f}x {point.get('floor_ratio_vs_llama', float('nan')):>7.2f}x  "
+                  f"default {r['default_tokens_equal_eager']}, O2 {r['O2_tokens_equal_eager']}")
+    print(f"wrote {Path(args.out) / f'families_{args.device}.json'}")
+
+
+def write_report(results: list[dict], rates: tuple[float, float], args) -> None:
     base = next((r for r in results if r["preset"] == "llama-3-8b" and "error" not in r), None)
     if base is not None:
         for r in results:
@@ -124,16 +135,9 @@ def main() -> None:
               "torch": torch.__version__, "dtype": args.dtype, "copy_bytes_per_s": rates[0],
               "matmul_flops_per_s": rates[1], "context": args.context, "results": results,
               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    print(f"\n{'preset':12s} {'batch':>5s} {'step ms':>8s} {'floor ms':>8s} {'vs floor':>8s} {'vs llama':>8s}  tokens")
-    for r in results:
-        for point in r.get("points", []):
-            print(f"{r['preset']:12s} {point['batch']:>5d} {point['engine_step_ms']:>8.2f} {point['floor_ms']:>8.2f} "
-                  f"{point['vs_floor']:>7.2f}x {point.get('floor_ratio_vs_llama', float('nan')):>7.2f}x  "
-                  f"default {r['default_tokens_equal_eager']}, O2 {r['O2_tokens_equal_eager']}")
     out = Path(args.out) / f"families_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
