@@ -28,6 +28,10 @@ def _cases():
         "rms_norm": (ops.rms_norm, (_rand(T, HIDDEN), _rand(HIDDEN), 1e-5)),
         "fused_add_rms_norm": (ops.fused_add_rms_norm, (_rand(T, HIDDEN), _rand(T, HIDDEN), _rand(HIDDEN), 1e-5)),
         "silu_and_mul": (ops.silu_and_mul, (_rand(T, 2 * HIDDEN),)),
+        "gelu_tanh_and_mul": (ops.gelu_tanh_and_mul, (_rand(T, 2 * HIDDEN),)),
+        # 4 experts, top 2, renormalised; an intermediate size of HIDDEN / 2
+        "fused_moe": (ops.fused_moe, (_rand(T, HIDDEN), _rand(T, 4), _rand(4, HIDDEN, HIDDEN), _rand(4, HIDDEN, HIDDEN // 2),
+                                      2, True)),
         "skinny_linear": (ops.skinny_linear, (_rand(T, HIDDEN), _rand(3 * HIDDEN, HIDDEN))),
         "silu_and_mul_linear": (ops.silu_and_mul_linear, (_rand(T, 2 * HIDDEN), _rand(3 * HIDDEN, HIDDEN))),
         "rotary_embedding": (ops.rotary_embedding, (torch.arange(T), _rand(T, HEADS * HEAD_DIM),
