@@ -37,6 +37,7 @@ def test_no_compile_shows_every_split_op_with_its_source_and_the_pieces(tmp_path
     # attention-to-activation stretches are the same piece.
     assert "pieces: 5 (4 unique) around 4 opaque regions" in out
     assert "unique piece 1: 2 piece(s): submod_2, submod_6" in out
+    assert "repeated layers: 2 of 1 kind(s)" in out and "kind 0: model.layers.{0, 1}" in out
     assert "compile ranges: [1, 32]" in out and "compile sizes: none" in out
     assert ("CUDA graphs, decode (uniform decode batches): full over the inductor forward; "
             "7 buckets: 1, 2, 4, 8, 16, 24, 32") in out

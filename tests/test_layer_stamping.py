@@ -217,3 +217,19 @@ def test_a_layer_class_that_inherits_its_forward_is_stamped_and_restored(tiny_ll
     assert stats["stamped_layers"] == 1
     assert "forward" not in Inherited.__dict__ and Inherited.forward is LlamaDecoderLayer.forward
     torch.testing.assert_close(out, model(*INPUTS), rtol=1e-5, atol=1e-5)
+
+
+def test_gemma2_sliding_and_global_layers_are_two_kinds():
+    """Gemma 2's layers differ only in their attention window (a constant of the attention op):
+    two kinds, alternating, each traced once."""
+    import dataclasses
+
+    from kiln.compile.layer_stamping import layer_kinds
+    from kiln.models import build_model
+    from kiln.models.presets import PRESETS
+
+    cfg = dataclasses.replace(PRESETS["gemma-2-9b"], vocab_size=256, hidden_size=64, intermediate_size=128,
+                              num_layers=5, num_heads=4, num_kv_heads=2, head_dim=16,
+                              layer_types=PRESETS["gemma-2-9b"].layer_types[:5])
+    model = build_model(cfg, torch.float32, torch.device("cpu"), frozenset(), None)
+    assert layer_kinds(model) == [[f"model.layers.{i}" for i in (0, 2, 4)], ["model.layers.1", "model.layers.3"]]

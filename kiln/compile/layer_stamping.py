@@ -101,6 +101,16 @@ def _structure(layer: nn.Module, path: str) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
+def layer_kinds(model: nn.Module) -> list[list[str]]:
+    """The model's repeated layers grouped by structure, in order of their first layer: Dynamo
+    traces one call of each group (and of each pattern of None arguments) and stamps the rest."""
+    groups: dict[str, list[str]] = {}
+    for path, m in model.named_modules():
+        if is_repeated_layer(m):
+            groups.setdefault(_structure(m, path), []).append(path)
+    return list(groups.values())
+
+
 @contextlib.contextmanager
 def stamping(model: nn.Module, mechanism: str = "auto") -> Iterator[None]:
     """While tracing, the forward of every @repeated_layer class in `model` records all but

@@ -52,6 +52,7 @@ def inspect_model(config: EngineConfig, compile_missing: bool = True) -> dict:
 
 def piecewise_report(config: EngineConfig, source, custom_ops: frozenset[str], compile_missing: bool) -> dict:
     from kiln.compile import compile_model
+    from kiln.compile.layer_stamping import layer_kinds
     from kiln.engine.runner import compile_cache
     from kiln.models import build_model
 
@@ -70,6 +71,7 @@ def piecewise_report(config: EngineConfig, source, custom_ops: frozenset[str], c
                     "text": run_text(how, seconds, ran.stats, cache is not None)},
             "split_ops": [{"name": op.name, "source": op.source} for op in compiled.split_ops],
             "pieces": pieces_report(program),
+            "layer_kinds": layer_kinds(model),
             "partitions": partitions_report(ran, config.compilation_config.splitting_mode),
             "plan": {"ranges": [[s.lo, s.hi] for s in plan.ranges], "sizes": sorted(plan.sizes)},
             "cache": cache_report(cache, entry),
@@ -221,6 +223,7 @@ def render(report: dict) -> str:
              f"  this run: {report['run']['text']}"]
     if report["pieces"] is not None:
         lines += split_ops_lines(report["split_ops"]) + pieces_lines(report["pieces"])
+        lines += layer_kind_lines(report["layer_kinds"])
         lines += partitions_lines(report["partitions"], report["cuda_graphs"])
         lines += [f"compile ranges: {', '.join(f'[{lo}, {hi}]' for lo, hi in report['plan']['ranges'])}",
                   f"compile sizes: {', '.join(map(str, report['plan']['sizes'])) or 'none'}"]
@@ -268,6 +271,18 @@ def pieces_lines(pieces: dict) -> list[str]:
         users = unique["used_by"]
         shown = ", ".join(users) if len(users) <= 4 else f"{users[0]}, {users[1]}, ..., {users[-1]}"
         lines.append(f"  unique piece {unique['index']}: {len(users)} piece(s): {shown}")
+    return lines
+
+
+def layer_kind_lines(kinds: list[list[str]]) -> list[str]:
+    if not kinds:
+        return []
+    lines = [f"repeated layers: {sum(map(len, kinds))} of {len(kinds)} kind(s); Dynamo traces one call of each "
+             f"(and of each pattern of None arguments) and stamps the rest"]
+    for i, paths in enumerate(kinds):
+        indices = [p.rpartition(".")[2] for p in paths]
+        shown = ", ".join(indices[:8]) + (f", ... ({len(indices)} in all)" if len(indices) > 8 else "")
+        lines.append(f"  kind {i}: {paths[0].rpartition('.')[0]}.{{{shown}}}")
     return lines
 
 
