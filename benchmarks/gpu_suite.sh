@@ -22,7 +22,7 @@ run() {
 # Parts, in the order they run; name some to run only those (a device call lasts at most
 # 10 minutes, and all of them together take longer: split them over two calls, e.g.
 # `bash benchmarks/gpu_suite.sh kernels graphs tiles` then `... engine cache bench`).
-# partition, prefix, families, cache-nopyc, fresh, decode, reference, throughput, serving and tp (not in the default list):
+# partition, prefix, prefix-steps, families, cache-nopyc, fresh, decode, reference, throughput, serving and tp (not in the default list):
 # Inductor's partitions under CUDA graphs, prefix caching's TTFT, the model families, the cache part without cached bytecode, a fresh
 # machine's start, kiln's decode beside the stock loop, that loop alone, offline throughput, online serving, and
 # the tensor-parallel comparison (2 GPUs).
@@ -72,10 +72,13 @@ for part in $parts; do
         families) run python benchmarks/families.py --out "$OUT" ;;
         # 64 requests sharing a 1,024-token system prompt: TTFT with prefix caching off and on.
         prefix) run python benchmarks/prefix_caching.py --model llama-3-8b --device cuda --out "$OUT" ;;
+        # The same with every step timed and the slowest profiled (synchronous scheduling: TTFTs not comparable).
+        prefix-steps) run python benchmarks/prefix_caching.py --model llama-3-8b --device cuda --step-times \
+                          --out "$OUT/prefix-steps" ;;
         bench) run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT" ;;
         # Needs 2 GPUs (nvidia-h200-x2): TP=1 against TP=2, with and without sequence parallelism.
         tp) run python benchmarks/tp_decode.py --out "$OUT" --modes graphs O2 O2+SP --batches 1 64 --timeout 150 ;;
-        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large partition prefix families engine dynamo cache cache-nopyc fresh decode reference throughput serving bench tp" >&2; exit 2 ;;
+        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large partition prefix prefix-steps families engine dynamo cache cache-nopyc fresh decode reference throughput serving bench tp" >&2; exit 2 ;;
     esac
 done
 exit $status
