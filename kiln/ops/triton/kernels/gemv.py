@@ -79,7 +79,10 @@ def _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K: tl.constexpr, GATED: 
     return w, x
 
 
-@triton.jit
+# The row count M changes with every batch: specialising on its value (M % 16 == 0) would compile each
+# kernel twice per row bucket, and a step with a new kind of count paid the compile (~0.4 s on the H200:
+# the first step that sampled 63 rows of the LM head).
+@triton.jit(do_not_specialize=["M"])
 def gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
                      x_row_stride, w_row_stride, out_row_stride,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -106,7 +109,7 @@ def gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
                   pid_n, pid_k, SPLIT_K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
                      x_row_stride, w_row_stride, out_row_stride,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
