@@ -179,8 +179,15 @@ class Capture:
         if guards != "all":
             options["guard_filter_fn"] = keep_shape_guards if guards == "shape" else \
                 torch.compiler.skip_all_guards_unsafe
+        backends = getattr(torch._dynamo.eval_frame, "cached_backends", {})
+        registered = set(backends)
         self.compiled = torch.compile(types.MethodType(self.forward, model), fullgraph=True,
                                       backend=backend, options=options or None)
+        # Dynamo keeps every backend in a process-wide table, only so that torch._dynamo.reset() can
+        # reset it; ours holds the model, so an engine shut down kept its weights (after five -O2
+        # engines in one process, a sixth ran out of the H200's memory). Ours has nothing to reset.
+        for backend_id in set(backends) - registered:
+            backends.pop(backend_id, None)
         self.transformed: types.CodeType | None = None
         self.code_ready: float | None = None
         self.direct: Callable | None = None
@@ -239,6 +246,11 @@ class Capture:
             self.direct = types.FunctionType(self.transformed, globals_, self.forward.__name__,
                                              self.forward.__defaults__, self.forward.__closure__)
             self.direct.__kwdefaults__ = self.forward.__kwdefaults__
+            # Calls go straight to the captured code from here on. Dynamo's cache entry on our code
+            # copy lives where the garbage collector cannot see it and leads back to the model: drop it.
+            reset_code = getattr(torch._C._dynamo.eval_frame, "reset_code", None)
+            if reset_code is not None:
+                reset_code(self.code)
         return out
 
     def _grab_code(self, old: types.CodeType, new: types.CodeType):
