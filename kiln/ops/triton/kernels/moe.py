@@ -5,7 +5,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The pair count changes with every batch: as for the GEMV's row count, specialising on it would
+# compile the kernel again mid-serving for a new kind of count.
+@triton.jit(do_not_specialize=["num_pairs"])
 def moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_pairs_ptr, block_expert_ptr,
                     num_pairs, N, K, a_row_stride, b_expert_stride, b_row_stride, c_row_stride,
                     TOP_K_DIV: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr,
