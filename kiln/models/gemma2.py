@@ -17,21 +17,8 @@ from torch import nn
 
 from kiln.compile import compile_dynamic, repeated_layer
 from kiln.models.config import ModelArchConfig
-from kiln.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
-from kiln.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
-from kiln.ops import GeluTanhAndMul, RMSNorm, RotaryEmbedding
-
-
-class Gemma2MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig):
-        super().__init__()
-        inter = cfg.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], what="intermediate_size")
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, what="intermediate_size")
-        self.act = GeluTanhAndMul()
-
-    def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+from kiln.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
+from kiln.ops import RMSNorm, RotaryEmbedding
 
 
 @repeated_layer
@@ -39,7 +26,7 @@ class Gemma2DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, index: int):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, f"model.layers.{index}.self_attn.attn", cfg.window_of(index))
-        self.mlp = Gemma2MLP(cfg)
+        self.mlp = LlamaMLP(cfg)  # GELU-tanh-gated: cfg.hidden_act
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True))

@@ -34,18 +34,21 @@ from kiln.models.parallel_layers import (
     per_rank,
     store,
 )
-from kiln.ops import Attention, RMSNorm, RotaryEmbedding, SiluAndMul
+from kiln.ops import Attention, GeluTanhAndMul, RMSNorm, RotaryEmbedding, SiluAndMul
 from kiln.ops.linear import fuses_silu_and_mul
 
 
 class LlamaMLP(nn.Module):
+    """Gated MLP: SiLU (which may ride in the down projection's GEMV), or Gemma's GELU-tanh."""
+
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], what="intermediate_size")
-        fused = fuses_silu_and_mul()
+        gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+        fused = not gelu and fuses_silu_and_mul()
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, what="intermediate_size", silu_and_mul=fused)
-        self.act = None if fused else SiluAndMul()
+        self.act = None if fused else GeluTanhAndMul() if gelu else SiluAndMul()
 
     def forward(self, x):
         h = self.gate_up_proj(x)
