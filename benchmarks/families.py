@@ -41,17 +41,22 @@ def free(llm: LLM, device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def greedy(llm: LLM, args) -> list[list[int]]:
-    """Greedy tokens of 4 random prompts."""
+def greedy(llm: LLM, args) -> tuple[list[list[int]], list[dict]]:
+    """Greedy tokens of 4 random prompts, and each prompt's first-token top-5 log probabilities."""
     gen = torch.Generator().manual_seed(3)
     vocab = llm.engine.source.config.vocab_size
     prompts = [torch.randint(0, vocab, (20 + 7 * i,), generator=gen).tolist() for i in range(4)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True),
+    outs = llm.generate(prompts, SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, logprobs=5),
                         use_tqdm=False)
-    return [o.token_ids for o in outs]
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs[0] for o in outs]
 
 
-def greedy_tokens(preset: str, args, level: int) -> tuple[list[list[int]], float]:
+def logprob_diff(a: list[dict], b: list[dict]) -> float:
+    """Largest difference of a first token's log probability, over the tokens both top-5s name."""
+    return max(abs(x[t].logprob - y[t].logprob) for x, y in zip(a, b) for t in x.keys() & y.keys())
+
+
+def greedy_tokens(preset: str, args, level: int) -> tuple[tuple[list[list[int]], list[dict]], float]:
     """greedy() of an engine at -O<level>, and its start-up seconds."""
     start = time.perf_counter()
     llm = LLM(preset, device=args.device, dtype=args.dtype, max_num_seqs=8, max_model_len=256, num_kv_blocks=128,
@@ -84,12 +89,14 @@ def run_preset(preset: str, args, rates: tuple[float, float]) -> dict:
     free(llm, args.device)
     eager, out["eager_startup_s"] = greedy_tokens(preset, args, 0)
     compiled, out["O2_startup_s"] = greedy_tokens(preset, args, 2)
-    out["default_tokens_equal_eager"] = default == eager
-    out["O2_tokens_equal_eager"] = compiled == eager
-    out["O2_requests_equal_eager"] = sum(a == b for a, b in zip(compiled, eager)) / len(eager)
-    print(f"{preset:12s} tokens against eager: default {'equal' if default == eager else 'DIFFER'}, "
-          f"-O2 {'equal' if compiled == eager else 'DIFFER'} ({out['O2_requests_equal_eager']:.0%} of requests)",
-          flush=True)
+    out["default_tokens_equal_eager"] = default[0] == eager[0]
+    out["O2_tokens_equal_eager"] = compiled[0] == eager[0]
+    out["O2_requests_equal_eager"] = sum(a == b for a, b in zip(compiled[0], eager[0])) / len(eager[0])
+    out["default_first_logprob_max_diff"] = logprob_diff(default[1], eager[1])
+    out["O2_first_logprob_max_diff"] = logprob_diff(compiled[1], eager[1])
+    print(f"{preset:12s} tokens against eager: default {'equal' if out['default_tokens_equal_eager'] else 'DIFFER'}, "
+          f"-O2 {'equal' if out['O2_tokens_equal_eager'] else 'DIFFER'} ({out['O2_requests_equal_eager']:.0%} of requests; "
+          f"first-token log probabilities within {out['O2_first_logprob_max_diff']:.2e})", flush=True)
     return out
 
 
