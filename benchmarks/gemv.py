@@ -165,7 +165,7 @@ def bench_case(name, n, k, m, weights, results):
     if other:
         impls[f"triton_{other}"] = lambda x, w: gemv.skinny_matmul(x, w, kernel=other)
     if gate_up is not None:
-        impls["gated"] = lambda x, w: gemv.linear(gate_up, w, gated=True)
+        impls["gated"] = lambda x, w: gemv.linear(gate_up, w, activation="silu")
         impls["unfused"] = lambda x, w: gemv.linear(silu_and_mul(gate_up), w)
     for impl, fn in impls.items():
         try:

@@ -55,7 +55,7 @@ def test_kernel_path_is_opaque_to_dynamo():
     torch._dynamo.reset()
     ops = {t.removeprefix("kiln.").split(".")[0] for t in targets if t.startswith("kiln.")}
     # With every kernel on, SiLU rides in the down projection and rotary in the KV write.
-    assert ops == {"rms_norm", "fused_add_rms_norm", "silu_and_mul_linear", "rotary_kv_cache_write", "attention",
+    assert ops == {"rms_norm", "fused_add_rms_norm", "act_and_mul_linear", "rotary_kv_cache_write", "attention",
                    "skinny_linear"}, ops
 
 
@@ -94,18 +94,28 @@ def test_skinny_linear_is_every_linear_layers_matmul():
         assert (skinny, linear) == ((len(linears), 0) if enabled else (0, len(linears))), (skinny, linear)
 
 
-def test_down_projection_takes_the_activation_where_gemv_and_silu_kernels_are_on():
-    """With skinny_linear and silu_and_mul both on, each MLP calls kiln::silu_and_mul_linear
-    instead of the pair, and the logits are exactly the pair's; with either off, nothing is fused."""
-    layers = PRESETS["tiny-llama"].num_layers
+def _tiny_gemma2():
+    import dataclasses
+
+    return dataclasses.replace(PRESETS["gemma-2-9b"], vocab_size=256, hidden_size=64, intermediate_size=128,
+                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                               layer_types=PRESETS["gemma-2-9b"].layer_types[:2])
+
+
+@pytest.mark.parametrize("family, activation", [("llama", "silu_and_mul"), ("gemma2", "gelu_tanh_and_mul")])
+def test_down_projection_takes_the_activation_where_gemv_and_activation_kernels_are_on(family, activation):
+    """With skinny_linear and the MLP's activation kernel (SiLU for Llama, GELU-tanh for Gemma 2)
+    both on, each MLP calls kiln::act_and_mul_linear instead of the pair, and the logits are
+    exactly the pair's; with either off, nothing is fused."""
+    cfg = PRESETS["tiny-llama"] if family == "llama" else _tiny_gemma2()
+    layers = cfg.num_layers
     logits = {}
-    for names in (["none", "+skinny_linear", "+silu_and_mul"], ["none", "+skinny_linear"], ["none", "+silu_and_mul"]):
-        model = build_model(PRESETS["tiny-llama"], torch.float32, torch.device("cpu"),
-                            resolve_custom_ops(names, "all"), None)
+    for names in (["none", "+skinny_linear", f"+{activation}"], ["none", "+skinny_linear"], ["none", f"+{activation}"]):
+        model = build_model(cfg, torch.float32, torch.device("cpu"), resolve_custom_ops(names, "all"), None)
         calls = _forward_calls(model)
         fused = len(names) == 3
-        assert calls.count("silu_and_mul_linear") == (layers if fused else 0), names
-        assert calls.count("silu_and_mul") == (0 if fused or "+silu_and_mul" not in names else layers), names
+        assert calls.count("act_and_mul_linear") == (layers if fused else 0), names
+        assert calls.count(activation) == (0 if fused or f"+{activation}" not in names else layers), names
         assert all((mlp.act is None) == fused for mlp in model.modules() if type(mlp).__name__ == "LlamaMLP")
         with torch.inference_mode(), set_forward_context(None, {}):
             logits[tuple(names)] = model.compute_logits(model(torch.arange(5), torch.arange(5)))

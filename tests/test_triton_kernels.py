@@ -276,26 +276,29 @@ def test_skinny_matmul_views_and_out(poisoned_empty):
     assert_close(out, x @ w.T, torch.float32, GEMV_TOL)
 
 
+@pytest.mark.parametrize("activation", gemv.ACTIVATIONS)
 @pytest.mark.parametrize("rows", [1, 3])
-def test_gated_skinny_matmul_is_silu_and_mul_then_the_gemv(rows, poisoned_empty):
-    """gated=True (x = [gate | up]) computes silu(gate) * up as the FMA kernel loads x: bitwise the
-    SiLU kernel followed by the GEMV with the same config, a split and a ragged last chunk included;
-    the dot kernel refuses it."""
+def test_gated_skinny_matmul_is_the_activation_then_the_gemv(rows, activation, poisoned_empty):
+    """With an activation (x = [gate | up]) the FMA kernel computes act(gate) * up as it loads x:
+    bitwise the activation kernel followed by the GEMV with the same config, a split and a ragged
+    last chunk included; the dot kernel and an unknown activation are refused."""
     kernel = "fma"
     g = torch.Generator().manual_seed(1)
     x = randn(rows, 2 * GEMV_K, dtype=torch.float16, generator=g) * 3
     w = randn(GEMV_N, GEMV_K, dtype=torch.float16, generator=g)
-    act = silu_and_mul(x)
+    act = silu_and_mul(x) if activation == "silu" else gelu_tanh_and_mul(x)
     for split_k in (1, 3):
         config = triton.Config({"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": split_k}, num_warps=4, num_stages=2)
-        fused = gemv.skinny_matmul(x, w, kernel=kernel, config=config, gated=True)
+        fused = gemv.skinny_matmul(x, w, kernel=kernel, config=config, activation=activation)
         assert torch.equal(fused, gemv.skinny_matmul(act, w, kernel=kernel, config=config)), split_k
     assert_close(fused, (act.float() @ w.float().T).half(), torch.float16, GEMV_TOL)
     assert not gemv._split_counters(x.device).any()
     with pytest.raises(ValueError, match="gated x holds"):
-        gemv.skinny_matmul(x[:, 1:], w, kernel=kernel, gated=True)
+        gemv.skinny_matmul(x[:, 1:], w, kernel=kernel, activation=activation)
     with pytest.raises(ValueError, match="only the FMA kernel"):
-        gemv.skinny_matmul(x, w, kernel="dot", gated=True)
+        gemv.skinny_matmul(x, w, kernel="dot", activation=activation)
+    with pytest.raises(ValueError, match="'relu' is not one of"):
+        gemv.skinny_matmul(x, w, kernel=kernel, activation="relu")
 
 
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 64, 65])
@@ -304,7 +307,7 @@ def test_skinny_linear_op_cuda_path(rows, monkeypatch):
     interpreted): the GEMV up to 16 rows; from 17 to 64 only where tuning kept a config (32
     padded rows here say CUBLAS, 64 a config), cuBLAS where nothing is known; F.linear past 64;
     the same result every way."""
-    from kiln.ops.linear import silu_and_mul_linear_cuda, skinny_linear_cuda
+    from kiln.ops.linear import act_and_mul_linear_cuda, skinny_linear_cuda
     from kiln.ops.triton import gemv_configs
 
     kept = {gemv_configs._file_key("cpu", torch.float32): {f"{GEMV_N},{GEMV_K},32": gemv_configs.CUBLAS,
@@ -320,12 +323,14 @@ def test_skinny_linear_op_cuda_path(rows, monkeypatch):
         assert_close(skinny_linear_cuda(x.view(1, rows, GEMV_K), w), expected.view(1, rows, GEMV_N),
                      torch.float32, GEMV_TOL)
         assert bool(launched) == takes_kernel, kept_file
-        # The down projection's fused op takes the same choice for the same shape, or SiLU then cuBLAS.
-        launched.clear()
+        # The down projection's fused op takes the same choice for the same shape, or the activation
+        # then cuBLAS.
         gate_up = torch.cat([x, x.flip(0)], dim=-1)
-        assert_close(silu_and_mul_linear_cuda(gate_up, w), silu_and_mul_native(gate_up) @ w.T, torch.float32,
-                     GEMV_TOL)
-        assert bool(launched) == takes_kernel, kept_file
+        for activation, native in (("silu", silu_and_mul_native), ("gelu_tanh", gelu_tanh_and_mul_native)):
+            launched.clear()
+            assert_close(act_and_mul_linear_cuda(gate_up, w, activation), native(gate_up) @ w.T, torch.float32,
+                         GEMV_TOL)
+            assert bool(launched) == takes_kernel, (kept_file, activation)
 
 
 def test_gemv_tuning_past_16_rows_keeps_cublas_where_it_wins(monkeypatch, tmp_path):
@@ -669,17 +674,18 @@ def _compile_all_for_sm90() -> None:
         for config in gemv.FMA_CONFIGS:
             if gemv.config_fits(config, rows, 4096, 4096, 132, fma=True):
                 build(gemv_kernels.gemv_fma_kernel, gemv_args,
-                      dict(BLOCK_M=rows, EVEN_K=True, GATED=False, **config.kwargs), config.num_warps, config.num_stages)
+                      dict(BLOCK_M=rows, EVEN_K=True, ACTIVATION="", **config.kwargs), config.num_warps, config.num_stages)
     for rows in (16, 32, 64):
         for config in gemv.DOT_CONFIGS:
             if gemv.config_fits(config, rows, 4096, 4096, 132, fma=False):
                 build(gemv_kernels.gemv_dot_kernel, gemv_args, dict(BLOCK_M=rows, EVEN_K=True, DOT_PRECISION="tf32",
                                                              **config.kwargs), config.num_warps, config.num_stages)
-    # The down projection's gated loads (silu(gate) * up), on the config kiln's H200 table picks for it.
-    build(gemv_kernels.gemv_fma_kernel, gemv_args, dict(BLOCK_M=1, EVEN_K=True, GATED=True,
-                                                 **gemv.FMA_CONFIGS[0].kwargs), 4, 3)
+    # The down projection's gated loads (act(gate) * up), on the config kiln's H200 table picks for it.
+    for act in gemv.ACTIVATIONS:
+        build(gemv_kernels.gemv_fma_kernel, gemv_args, dict(BLOCK_M=1, EVEN_K=True, ACTIVATION=act,
+                                                     **gemv.FMA_CONFIGS[0].kwargs), 4, 3)
     fp32_args = dict(gemv_args, x_ptr="*fp32", w_ptr="*fp32", out_ptr="*fp32")
-    build(gemv_kernels.gemv_fma_kernel, fp32_args, dict(BLOCK_M=2, EVEN_K=False, GATED=False,
+    build(gemv_kernels.gemv_fma_kernel, fp32_args, dict(BLOCK_M=2, EVEN_K=False, ACTIVATION="",
                                                  **gemv.FMA_CONFIGS[0].kwargs))
     build(gemv_kernels.gemv_dot_kernel, fp32_args, dict(BLOCK_M=16, EVEN_K=False, DOT_PRECISION="ieee",
                                                  **gemv.DOT_CONFIGS[4].kwargs))

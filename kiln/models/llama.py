@@ -35,19 +35,21 @@ from kiln.models.parallel_layers import (
     store,
 )
 from kiln.ops import Attention, GeluTanhAndMul, RMSNorm, RotaryEmbedding, SiluAndMul
-from kiln.ops.linear import fuses_silu_and_mul
+from kiln.ops.linear import fuses_activation
 
 
 class LlamaMLP(nn.Module):
-    """Gated MLP: SiLU (which may ride in the down projection's GEMV), or Gemma's GELU-tanh."""
+    """Gated MLP: SiLU, or Gemma's GELU-tanh; the activation may ride in the down projection's GEMV."""
 
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], what="intermediate_size")
         gelu = cfg.hidden_act == "gelu_pytorch_tanh"
-        fused = not gelu and fuses_silu_and_mul()
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, what="intermediate_size", silu_and_mul=fused)
+        activation = "gelu_tanh" if gelu else "silu"
+        fused = fuses_activation(activation)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, what="intermediate_size",
+                                           activation=activation if fused else None)
         self.act = None if fused else GeluTanhAndMul() if gelu else SiluAndMul()
 
     def forward(self, x):

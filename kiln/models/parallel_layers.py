@@ -22,7 +22,7 @@ from torch import nn
 
 from kiln.distributed import tp_state
 from kiln.distributed.collectives import all_gather, all_reduce
-from kiln.ops.linear import linear_matmul, silu_and_mul_linear_op
+from kiln.ops.linear import act_and_mul_linear_op, linear_matmul
 
 
 def per_rank(size: int, what: str, parts: int) -> int:
@@ -102,7 +102,8 @@ class RowParallelLinear(ShardedLayer):
     """y = x W^T where x arrives as this rank's slice of the input features (a
     column-parallel layer's output); the partial products are summed over the ranks."""
 
-    def __init__(self, input_size: int, output_size: int, what: str = "input features", silu_and_mul: bool = False):
+    def __init__(self, input_size: int, output_size: int, what: str = "input features",
+                 activation: str | None = None):
         super().__init__()
         tp = tp_state()
         self.tp = tp
@@ -110,16 +111,17 @@ class RowParallelLinear(ShardedLayer):
         self.full_weight_shape = (output_size, input_size)
         self.weight = nn.Parameter(torch.empty(output_size, self.shard_cols))
         self.reduce = tp.size > 1
-        # silu_and_mul: x is a gate_up output ([gate | up] of this rank's columns) and the
-        # activation runs inside the matmul.
-        self.matmul = silu_and_mul_linear_op if silu_and_mul else linear_matmul()
+        # activation ("silu", "gelu_tanh"): x is a gate_up output ([gate | up] of this rank's
+        # columns) and the activation runs inside the matmul.
+        self.activation = activation
+        self.matmul = linear_matmul() if activation is None else act_and_mul_linear_op
 
     def load_weight(self, full: torch.Tensor, part: int | None = None) -> None:
         _check_shape(full, self.full_weight_shape)
         store(self.weight, full.narrow(1, self.tp.rank * self.shard_cols, self.shard_cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.weight)
+        y = self.matmul(x, self.weight) if self.activation is None else self.matmul(x, self.weight, self.activation)
         return all_reduce(y, self.tp.group_name) if self.reduce else y
 
 

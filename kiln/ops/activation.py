@@ -70,3 +70,8 @@ class GeluTanhAndMul(CustomOp):
 
     def forward_kernel(self, x):
         return gelu_tanh_and_mul_op(x)
+
+
+# A gated MLP's activation by name: its CustomOp (whose switch says whether its kernel is on) and
+# its reference.
+GATED_ACTIVATIONS = {"silu": (SiluAndMul, silu_and_mul_native), "gelu_tanh": (GeluTanhAndMul, gelu_tanh_and_mul_native)}

@@ -5,7 +5,7 @@ MAX_ROWS rows and the kernel is known to beat cuBLAS for the shape (always up to
 cuBLAS (F.linear) otherwise. The row check is inside the op, which Dynamo
 sees as one opaque call, so a traced forward holds no branch on the batch size; inside a
 CUDA graph the branch was taken once, at capture, for that graph's size. The MLP's down
-projection may take its SiLU-and-mul along (kiln::silu_and_mul_linear, the GEMV's gated loads).
+projection may take its activation along (kiln::act_and_mul_linear, the GEMV's gated loads).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.activation import SiluAndMul, silu_and_mul_native
+from kiln.ops.activation import GATED_ACTIVATIONS
 from kiln.ops.custom_op import CustomOp, is_enabled
 
 MAX_ROWS = 64  # kiln.ops.triton.gemv.MAX_ROWS; not imported here, so CPU never imports triton
@@ -49,26 +49,27 @@ def skinny_linear_cuda(x, weight):
     return gemv.linear(x, weight)
 
 
-@torch.library.custom_op("kiln::silu_and_mul_linear", mutates_args=())
-def silu_and_mul_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The MLP's down projection with its activation: silu(gate) * up @ weight.T for x = [gate | up]."""
-    return F.linear(silu_and_mul_native(x), weight)
+@torch.library.custom_op("kiln::act_and_mul_linear", mutates_args=())
+def act_and_mul_linear_op(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gated MLP's down projection with its activation: act(gate) * up @ weight.T for x =
+    [gate | up]; activation "silu" (Llama) or "gelu_tanh" (Gemma 2)."""
+    return F.linear(GATED_ACTIVATIONS[activation][1](x), weight)
 
 
-@silu_and_mul_linear_op.register_fake
-def _(x, weight):
+@act_and_mul_linear_op.register_fake
+def _(x, weight, activation):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-@silu_and_mul_linear_op.register_kernel("cuda")
-def silu_and_mul_linear_cuda(x, weight):
+@act_and_mul_linear_op.register_kernel("cuda")
+def act_and_mul_linear_cuda(x, weight, activation):
     if takes_gemv(x, weight):
         from kiln.ops.triton import gemv
 
-        return gemv.linear(x, weight, gated=True)
-    from kiln.ops.triton.activation import silu_and_mul
+        return gemv.linear(x, weight, activation=activation)
+    from kiln.ops.triton.activation import gated_activation
 
-    return F.linear(silu_and_mul(x), weight)
+    return F.linear(gated_activation(x, activation), weight)
 
 
 class SkinnyLinear(CustomOp):
@@ -84,8 +85,9 @@ def linear_matmul() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     return skinny_linear_op if is_enabled(SkinnyLinear.op_names[0]) else F.linear
 
 
-def fuses_silu_and_mul() -> bool:
-    """Whether a down projection built now takes its activation into the GEMV's loads
-    (kiln::silu_and_mul_linear): where both the GEMV and the SiLU kernel are on. It saves the
-    SiLU launch and its output's trip through memory, and computes exactly what the pair does."""
-    return is_enabled(SkinnyLinear.op_names[0]) and is_enabled(SiluAndMul.op_names[0])
+def fuses_activation(activation: str) -> bool:
+    """Whether a down projection built now takes its activation ("silu" or "gelu_tanh") into the
+    GEMV's loads (kiln::act_and_mul_linear): where both the GEMV and that activation's kernel are
+    on. It saves the activation's launch and its output's trip through memory, and computes
+    exactly what the pair does."""
+    return is_enabled(SkinnyLinear.op_names[0]) and is_enabled(GATED_ACTIVATIONS[activation][0].op_names[0])

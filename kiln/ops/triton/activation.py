@@ -27,6 +27,13 @@ def _gated(x: torch.Tensor, name: str, gelu_tanh: bool) -> torch.Tensor:
     return out
 
 
+def gated_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """silu_and_mul or gelu_tanh_and_mul, by name ("silu" / "gelu_tanh")."""
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"gated_activation: {activation!r} is neither 'silu' nor 'gelu_tanh'")
+    return _gated(x, f"{activation}_and_mul", gelu_tanh=activation == "gelu_tanh")
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], a new [..., I] tensor of x's dtype."""
     return _gated(x, "silu_and_mul", gelu_tanh=False)

@@ -26,10 +26,10 @@ in a CUDA graph (the counters are a persistent zeroed buffer that every launch l
 zeroed). The counters are shared by all launches on a device: launches that could overlap
 (two streams at once) are not supported.
 
-Gated (the MLP's down projection at one row, `gated=True`): x's row is [gate | up], twice W's
-K, and each chunk of x is silu(gate) * up, computed as it is loaded and rounded as
-kiln::silu_and_mul rounds, so the result is bitwise the unfused pair's and the SiLU kernel's
-launch is gone. It shares the plain launch's tuning key. Only the FMA kernel has it: in the dot
+Gated (the MLP's down projection at one row, `activation="silu"` or `"gelu_tanh"`): x's row is
+[gate | up], twice W's K, and each chunk of x is act(gate) * up, computed as it is loaded and
+rounded as kiln's activation kernel rounds, so the result is bitwise the unfused pair's and the
+activation's launch is gone. It shares the plain launch's tuning key. Only the FMA kernel has it: in the dot
 kernel the SiLU between x's load and the dot measured 1.4-2.6x slower than the pair (H200,
 down_proj at 2-64 rows: 49-100 us against 33-38), at one row 0.6 us faster (32.5 against 33.1).
 
@@ -52,6 +52,7 @@ from kiln.ops.triton import gemv_configs
 from kiln.ops.triton.kernels.gemv import gemv_dot_kernel, gemv_fma_kernel
 
 MAX_ROWS = 64  # above this, callers use cuBLAS
+ACTIVATIONS = ("silu", "gelu_tanh")  # what a gated launch can compute in its loads
 # Measured on the H200 (benchmarks/gemv.py): the FMA kernel wins at one row (qkv 1.14x,
 # o_proj 1.09x over cuBLAS) but lost 0.5-0.9x at 2 and 4 rows, where the tl.dot kernel
 # (x padded to 16 rows) matched or beat cuBLAS.
@@ -208,19 +209,19 @@ def tuned_choices() -> dict[tuple, triton.Config | str]:
 _kernel_wins: dict[tuple, bool] = {}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, activation: str | None = None) -> torch.Tensor:
     """x @ weight.T for at most MAX_ROWS rows by the kernel or by cuBLAS, whichever is known to be
     faster for this shape: up to MIN_DOT_ROWS rows always the kernel; past them what tuning or
     kiln's table says, cuBLAS for a shape neither knows. Inside gemv_configs.tuning() an unknown
-    shape past MIN_DOT_ROWS rows is autotuned, then timed against cuBLAS. gated: x is [gate | up]
-    and the product is silu(gate) * up @ weight.T: in the GEMV's loads at one row, else the SiLU
-    kernel first."""
-    if gated and x.numel() // x.shape[-1] > FMA_MAX_ROWS:
-        from kiln.ops.triton.activation import silu_and_mul
+    shape past MIN_DOT_ROWS rows is autotuned, then timed against cuBLAS. activation ("silu" or
+    "gelu_tanh"): x is [gate | up] and the product is act(gate) * up @ weight.T: in the GEMV's
+    loads at one row, else the activation kernel first."""
+    if activation is not None and x.numel() // x.shape[-1] > FMA_MAX_ROWS:
+        from kiln.ops.triton.activation import gated_activation
 
-        x, gated = silu_and_mul(x), False
+        x, activation = gated_activation(x, activation), None
     if _kernel_takes(x, weight):
-        return skinny_matmul(x, weight, gated=gated)
+        return skinny_matmul(x, weight, activation=activation)
     return F.linear(x, weight)
 
 
@@ -277,14 +278,18 @@ def padded_rows(rows: int, kernel: str) -> int:
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
                   kernel: str | None = None, config: triton.Config | None = None,
-                  gated: bool = False) -> torch.Tensor:
+                  activation: str | None = None) -> torch.Tensor:
     """x @ weight.T for x [..., K] with at most MAX_ROWS rows and weight [N, K] (K contiguous);
-    gated (the FMA kernel only): x is [..., 2K], [gate | up], and the product is (silu(gate) * up) @ weight.T.
+    with an activation (the FMA kernel only; "silu" or "gelu_tanh"), x is [..., 2K], [gate | up],
+    and the product is (act(gate) * up) @ weight.T.
 
     Accumulates in fp32; the result has x's dtype. `out` ([rows, N] or x.shape[:-1] + (N,),
     last dim contiguous) receives it if given. `kernel` ("fma" / "dot") and `config` force a
     kernel and a config instead of the row-count rule and launch_config (tests, benchmarks).
     """
+    if activation not in (None, *ACTIVATIONS):
+        raise ValueError(f"skinny_matmul: activation {activation!r} is not one of {ACTIVATIONS}")
+    gated = activation is not None
     K = x.shape[-1] // 2 if gated else x.shape[-1]
     if gated and x.shape[-1] != 2 * K:
         raise ValueError(f"skinny_matmul: a gated x holds [gate | up] halves, so its last dim must be even; "
@@ -320,7 +325,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     fma = kernel == "fma"
     if gated and not fma:
         raise ValueError(f"skinny_matmul: only the FMA kernel (at most {FMA_MAX_ROWS} row(s) by default) takes a "
-                         f"gated x; run kiln.ops.triton.activation.silu_and_mul first")
+                         f"gated x; run kiln.ops.triton.activation.gated_activation first")
     block_m = padded_rows(M, kernel)
     autotuned = fma_kernel if fma else dot_kernel
     if config is None:
@@ -333,7 +338,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     workspace = torch.empty(max_split * M * N if max_split > 1 else 1, dtype=torch.float32, device=x.device)
     args = (rows_view, weight, out_rows, workspace, _split_counters(x.device), M, N, K,
             rows_view.stride(0), weight.stride(0), out_rows.stride(0))
-    extra = {"GATED": gated} if fma else {"DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
+    extra = {"ACTIVATION": activation or ""} if fma else {"DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
 
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])

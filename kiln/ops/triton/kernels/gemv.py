@@ -52,20 +52,29 @@ def _tile_start(x_ptr, w_ptr, M, N, K, x_row_stride, w_row_stride,
     return pid_n, pid_k, rows, cols, ks, k_start, k_end, w_ptrs, x_ptrs
 
 
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+
+
 @triton.jit
-def _silu_mul(gate, up):
-    """silu(gate) * up in x's dtype, rounded where kiln::silu_and_mul's kernel rounds (its twin in
-    kernels/activation.py: a worker loads this module alone, so it cannot import that one)."""
+def _act_mul(gate, up, ACTIVATION: tl.constexpr):
+    """act(gate) * up in x's dtype (act: "silu", or GELU's tanh form "gelu_tanh"), rounded where
+    kiln's activation kernel rounds (its twin in kernels/activation.py: a worker loads this module
+    alone, so it cannot import that one)."""
     dtype = gate.dtype
     gate, up = gate.to(tl.float32), up.to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (silu * up).to(dtype)
+    if ACTIVATION == "gelu_tanh":
+        inner = SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
+        act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    return (act.to(dtype).to(tl.float32) * up).to(dtype)
 
 
 @triton.jit
-def _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
-    """One BLOCK_K chunk of W's tile (streamed once: evict first) and of x. GATED: a row of x is
-    [gate | up], K each, and the chunk is silu(gate) * up (the down projection's input)."""
+def _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K: tl.constexpr, ACTIVATION: tl.constexpr):
+    """One BLOCK_K chunk of W's tile (streamed once: evict first) and of x. With an ACTIVATION
+    ("silu" or "gelu_tanh"; "" for none), a row of x is [gate | up], K each, and the chunk is
+    act(gate) * up (the down projection's input)."""
     x_mask = rows[:, None] < M
     if EVEN_K:
         w = tl.load(w_ptrs, eviction_policy="evict_first")
@@ -74,8 +83,8 @@ def _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K: tl.constexpr, GATED: 
         w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
         x_mask = x_mask & k_mask[None, :]
     x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-    if GATED:
-        x = _silu_mul(x, tl.load(x_ptrs + K, mask=x_mask, other=0.0))
+    if ACTIVATION != "":
+        x = _act_mul(x, tl.load(x_ptrs + K, mask=x_mask, other=0.0), ACTIVATION)
     return w, x
 
 
@@ -86,7 +95,7 @@ def _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K: tl.constexpr, GATED: 
 def gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
                      x_row_stride, w_row_stride, out_row_stride,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, ACTIVATION: tl.constexpr):
     pid_n, pid_k, rows, cols, ks, k_start, k_end, w_ptrs, x_ptrs = _tile_start(
         x_ptr, w_ptr, M, N, K, x_row_stride, w_row_stride, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     if BLOCK_M == 1:
@@ -94,7 +103,7 @@ def gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
-        w, x = _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K, GATED)
+        w, x = _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K, ACTIVATION)
         if BLOCK_M == 1:
             acc += w.to(tl.float32) * x.to(tl.float32)
         else:
@@ -118,7 +127,7 @@ def gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
         x_ptr, w_ptr, M, N, K, x_row_stride, w_row_stride, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y.T's tile
     for k in range(k_start, k_end, BLOCK_K):
-        w, x = _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K, False)
+        w, x = _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K, "")
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
