@@ -231,8 +231,8 @@ def decode(llm: LLM, batch: int, context: int, device: str, iters: int, profile_
     forward_ms = None
     with torch.inference_mode(), set_forward_context(step.attn_metadata, runner.kv_caches):
         def once():
-            hidden = runner.cudagraphs.run(step.cudagraph, step.input_ids, step.positions)
-            return runner.model.compute_logits(hidden[step.sample_rows])
+            hidden, head = runner.cudagraphs.run(step.cudagraph, step.input_ids, step.positions)
+            return head[0] if head is not None else runner.model.compute_logits(hidden[step.sample_rows])
         for _ in range(3):
             once()
         sync(device)
@@ -349,7 +349,8 @@ def bench_mode(args, mode, rates, prompts, length) -> dict:
         from kiln.cudagraph import ForwardCudagraphs
 
         g = runner.cudagraphs
-        again = ForwardCudagraphs(g.model, g.compiled, g.dispatcher, g.buffers, g.max_model_len, g.max_num_seqs)
+        again = ForwardCudagraphs(g.model, g.compiled, g.dispatcher, g.buffers, g.max_model_len, g.max_num_seqs,
+                                  static_forward=g.static_forward, head=g.head)
         entry["graphs_recaptured"] = dict(again.capture_all(runner.kv_caches))
         runner.cudagraphs = again
     print(f"{mode:24s} graphs {entry['graphs']} recaptured {entry.get('graphs_recaptured')}", flush=True)

@@ -119,8 +119,8 @@ def forward_ms(runner, step, batch: int, args) -> float:
     """The forward (its CUDA graph where one was captured) and the logits of a recorded step."""
     def once():
         with set_forward_context(step.attn_metadata, runner.kv_caches):
-            hidden = runner.cudagraphs.run(step.cudagraph, step.input_ids, step.positions)
-        return runner.model.compute_logits(hidden[:batch])
+            hidden, head = runner.cudagraphs.run(step.cudagraph, step.input_ids, step.positions)
+        return head[0] if head is not None else runner.model.compute_logits(hidden[:batch])
 
     with torch.inference_mode():
         for _ in range(3):

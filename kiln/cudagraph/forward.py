@@ -2,7 +2,9 @@
 
 This is the package's entry point for the engine. Captured at start-up, after the KV cache
 exists (a full graph's attention reads it): every (phase, bucket) the dispatcher can pick,
-largest first, into one memory pool. Each capture is preceded by one ordinary run of the
+largest first, into one memory pool. A decode step also runs the engine's `head` on its
+hidden states (the logits and the greedy choice): inside a full decode graph, so that the
+replay leaves only sampling's extra work, if any, to launch; after the forward otherwise. Each capture is preceded by one ordinary run of the
 same shape, so that nothing compiles, autotunes or allocates lazily inside the capture. On
 the CPU nothing is captured and every call passes through (with the same dispatch and
 padding, when enabled).
@@ -24,18 +26,23 @@ from kiln.cudagraph.pool import CudagraphPool, log_capture
 from kiln.cudagraph.step_buffers import PackedStep, StepBuffers
 from kiln.forward_context import set_forward_context
 
+# What a decode step computes from its hidden states, with the forward (the engine's logits and
+# greedy tokens); its outputs are valid until the next step.
+Head = Callable[[torch.Tensor], tuple]
+
 
 class ForwardCudagraphs:
     def __init__(self, model: nn.Module, compiled: CompiledModel, dispatcher: CudagraphDispatcher,
                  buffers: StepBuffers, max_model_len: int, max_num_seqs: int, debug: bool = False,
-                 static_forward: CompiledModel | None = None):
+                 static_forward: CompiledModel | None = None, head: Head | None = None):
         """static_forward: the forward compiled per decode bucket (SGLang's static decode path),
-        when the decode phase asks for it."""
+        when the decode phase asks for it. head: what a decode step computes from its hidden
+        states (one row per sequence), run with the forward."""
         if dispatcher.decode.static_compile and dispatcher.decode.buckets.sizes and static_forward is None:
             raise ValueError("the decode phase compiles statically per bucket (static_compile), but no "
                              "statically compiled forward was given")
         self.model, self.compiled, self.dispatcher, self.buffers = model, compiled, dispatcher, buffers
-        self.static_forward = static_forward
+        self.static_forward, self.head = static_forward, head
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.device = buffers.device
         self.split_names = {op.name for op in compiled.split_ops}
@@ -61,16 +68,23 @@ class ForwardCudagraphs:
             max_seq_len = max(step.seq_lens)
         return choice, self.buffers.load(step, num_tokens, num_seqs, max_query_len, max_seq_len)
 
-    def run(self, choice: CudagraphChoice, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states of the (padded) step; valid until the next call. Call inside the
-        step's forward context."""
+    def run(self, choice: CudagraphChoice, input_ids: torch.Tensor,
+            positions: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+        """Hidden states of the (padded) step and, for a decode step, head(hidden states) (None
+        otherwise, or without a head); valid until the next call. Call inside the step's
+        forward context."""
+        decode = choice.phase == "decode" and self.head is not None
         graph = self.graphs.get((choice.phase, choice.bucket))
-        if graph is not None:
-            if choice.mode == "piecewise":
-                with self.piecewise.active(choice.bucket, "replay"):
-                    return self.compiled(input_ids, positions)
-            return graph.replay(input_ids, positions) if choice.mode == "full" else graph.replay()
-        return self._forward(choice)(input_ids, positions)
+        if graph is None:
+            hidden = self._forward(choice)(input_ids, positions)
+        elif choice.mode == "full":
+            return graph.replay(input_ids, positions)
+        elif choice.mode == "piecewise":
+            with self.piecewise.active(choice.bucket, "replay"):
+                hidden = self.compiled(input_ids, positions)
+        else:
+            hidden = graph.replay()
+        return hidden, self.head(hidden) if decode else None
 
     # ------------------------------------------------------------------ capture
 
@@ -100,7 +114,8 @@ class ForwardCudagraphs:
                 forward(ids, pos)
 
     def _bucket_inputs(self, phase: PhasePlan, bucket: int) -> tuple[Callable, tuple]:
-        """The forward a (phase, bucket) graph records, and its inputs in the step buffers."""
+        """The forward a (phase, bucket) graph records (a full decode graph's with the head), and
+        its inputs in the step buffers."""
         # No real tokens: a graph records launches and addresses, and the kernels' grids depend
         # only on shapes, so an all-padding step captures the same graph as a real one.
         empty = PackedStep([], [], [], [], [], [0])
@@ -110,7 +125,8 @@ class ForwardCudagraphs:
             num_seqs, max_query_len, max_seq_len = 0, 1, 1
         inputs = self.buffers.load(empty, bucket, num_seqs, max_query_len, max_seq_len)
         compiler = "static" if phase.static_compile else phase.compiler
-        return self._forward(CudagraphChoice(phase.name, phase.mode, compiler, bucket)), inputs
+        forward = self._forward(CudagraphChoice(phase.name, phase.mode, compiler, bucket))
+        return (self._with_head(forward, phase.name) if phase.mode == "full" else forward), inputs
 
     def _capture(self, phase: PhasePlan, bucket: int, kv_caches: dict[str, torch.Tensor]) -> None:
         forward, (ids, pos, meta) = self._bucket_inputs(phase, bucket)
@@ -127,6 +143,16 @@ class ForwardCudagraphs:
                         forward(ids, pos)
                     graph = "piecewise"  # the graphs live in the pieces
         self.graphs[(phase.name, bucket)] = graph
+
+    def _with_head(self, forward: Callable, phase: str) -> Callable:
+        """A full graph's body: the forward, and for decode the head too; returns what run() does."""
+        if phase != "decode" or self.head is None:
+            return lambda ids, pos: (forward(ids, pos), None)
+
+        def forward_and_head(ids, pos):
+            hidden = forward(ids, pos)
+            return hidden, self.head(hidden)
+        return forward_and_head
 
     def _full_shape(self, phase: str, bucket: int) -> tuple[int, int, int]:
         """(sequences, max query len, max context) a full graph of `bucket` is captured with:

@@ -19,7 +19,7 @@ from kiln.compile.triton_precompile import MissingKernels, compile_all, triton_t
 from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
 from kiln.cudagraph import CudagraphChoice, CudagraphDispatcher, ForwardCudagraphs, PackedStep, StepBuffers
 from kiln.engine.logprobs import Logprob, TokenLogprobs
-from kiln.engine.sampler import RowHistory, needs_history, sample, to_device
+from kiln.engine.sampler import RowHistory, greedy_tokens, needs_history, sample, to_device
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
@@ -155,7 +155,7 @@ class ModelRunner:
                 StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                             -(-self.max_model_len // self.block_size), self.device),
                 self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug,
-                static_forward=self.static_decode)
+                static_forward=self.static_decode, head=self._decode_head)
             if recorder is not None:
                 with timeline.phase("kernels"):
                     self._precompile_kernels(recorder)
@@ -192,6 +192,12 @@ class ModelRunner:
         if self.device.type != "cuda":
             return int(self.config.kv_cache_gib * 2**30) // self.bytes_per_block
         return self._profile_gpu_blocks()
+
+    def _decode_head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's logits and greedy tokens, one row per sequence (padding rows too):
+        run inside its CUDA graph, so that a greedy batch launches nothing after the replay."""
+        logits = self.model.compute_logits(hidden)
+        return logits, greedy_tokens(logits)
 
     def _warm_gemv(self) -> None:
         """Launch the GEMV once per weight shape and row bucket: its kernels compile (or load
@@ -317,17 +323,21 @@ class ModelRunner:
         tokens to the host) and return without waiting for it."""
         step = self.prepare(batch)
         with set_forward_context(step.attn_metadata, self.kv_caches):
-            hidden = self.cudagraphs.run(step.cudagraph, step.input_ids, step.positions)
+            hidden, head = self.cudagraphs.run(step.cudagraph, step.input_ids, step.positions)
         prompt_logprobs = self._prompt_logprobs(hidden, step.prompt_rows) if step.prompt_rows else []
         seqs = step.sample_seqs
         if not seqs:
             self._in_flight = None
             return LaunchedStep.of([], torch.empty(0, dtype=torch.long, device=self.device), None, prompt_logprobs)
+        greedy = None
         if step.sample_rows == list(range(len(seqs))):  # a decode batch samples every row
-            hidden = hidden[: len(seqs)]
+            if head is not None:
+                logits, greedy = (t[: len(seqs)] for t in head)
+            else:
+                logits = self.model.compute_logits(hidden[: len(seqs)])
         else:
-            hidden = hidden.index_select(0, to_device(step.sample_rows, torch.long, self.device))
-        logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(
+                hidden.index_select(0, to_device(step.sample_rows, torch.long, self.device)))
         params = [s.params for s in seqs]
         history = [self._history(s) for s in seqs] if any(needs_history(p) for p in params) else None
         in_flight = self._in_flight[0] if self._in_flight is not None else None
@@ -336,7 +346,7 @@ class ModelRunner:
         if any(m is not None for m in matchers):  # structured output: what each grammar allows next
             allowed = token_bitmask(matchers, logits.shape[1])
             allowed = allowed.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else allowed
-        tokens = sample(logits, params, [s.generator for s in seqs], history, in_flight, allowed)
+        tokens = sample(logits, params, [s.generator for s in seqs], history, in_flight, allowed, greedy)
         logprobs = None
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:

@@ -39,15 +39,20 @@ class RowHistory:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            history: list[RowHistory] | None = None, in_flight: torch.Tensor | None = None,
-           allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [num_seqs, vocab] fp32 -> one token id per row, on logits' device. `history`
-    (one per row) is needed where a row has penalties or min_tokens; `in_flight` holds the
-    tokens its `pending` indices point to; `allowed` (structured output) is a [num_seqs,
-    vocab / 32] int32 bitmask of the tokens each row may take."""
+           allowed: torch.Tensor | None = None, greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [num_seqs, vocab] fp32 -> one token id per row, on logits' device (a new tensor).
+    `history` (one per row) is needed where a row has penalties or min_tokens; `in_flight` holds
+    the tokens its `pending` indices point to; `allowed` (structured output) is a [num_seqs,
+    vocab / 32] int32 bitmask of the tokens each row may take; `greedy`, if given, is
+    greedy_tokens(logits), already computed (in a decode step's CUDA graph)."""
     if allowed is not None:
         logits = logits.masked_fill(~allowed_tokens(allowed, logits.shape[1]), float("-inf"))
-    logits = apply_controls(logits, params, history, in_flight)
-    tokens = _argmax(logits)
+    controlled = apply_controls(logits, params, history, in_flight)
+    if greedy is not None and controlled is logits and allowed is None:
+        tokens = greedy.clone()  # the graph's output is overwritten by the next replay
+    else:
+        tokens = greedy_tokens(controlled)
+    logits = controlled
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         dev = logits.device
@@ -63,7 +68,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             if generators[i] is not None:
                 drawn = torch.empty(probs.shape[1], pin_memory=dev.type == "cuda").exponential_(generator=generators[i])
                 noise[j].copy_(drawn, non_blocking=True)
-        tokens.index_copy_(0, index, _argmax(probs / noise))
+        tokens.index_copy_(0, index, greedy_tokens(probs / noise))
     return tokens
 
 
@@ -134,7 +139,7 @@ def _penalise(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
     logits.index_copy_(0, index, sub)
 
 
-def _argmax(x: torch.Tensor) -> torch.Tensor:
+def greedy_tokens(x: torch.Tensor) -> torch.Tensor:
     """Each row's first index of its largest value: torch's argmax, in one Triton launch on CUDA."""
     if x.device.type != "cuda":
         return x.argmax(dim=-1)
