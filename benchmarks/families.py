@@ -87,6 +87,8 @@ def run_preset(preset: str, args, rates: tuple[float, float]) -> dict:
               f"{point['floor_ms']:6.2f} ms ({point['vs_floor']:.2f}x)", flush=True)
     default = greedy(llm, args)
     free(llm, args.device)
+    del llm  # free()'s own name went; this one kept the engine alive beside the next two (Mixtral: 2 x 93 GB)
+    gc.collect()
     eager, out["eager_startup_s"] = greedy_tokens(preset, args, 0)
     compiled, out["O2_startup_s"] = greedy_tokens(preset, args, 2)
     out["default_tokens_equal_eager"] = default[0] == eager[0]
@@ -122,6 +124,10 @@ def main() -> None:
         except Exception as e:  # one family that fails must not lose the others' numbers
             results.append({"preset": preset, "error": f"{type(e).__name__}: {e}".splitlines()[0]})
             print(f"{preset}: {results[-1]['error']}", flush=True)
+        if "error" in results[-1]:  # out of the except clause, whose traceback's frames held the engines
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
         write_report(results, rates, args)  # after each preset: a run cut short keeps what it measured
     print(f"\n{'preset':12s} {'batch':>5s} {'step ms':>8s} {'floor ms':>8s} {'vs floor':>8s} {'vs llama':>8s}  tokens")
     for r in results:
