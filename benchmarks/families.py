@@ -58,6 +58,9 @@ def logprob_diff(a: list[dict], b: list[dict]) -> float:
 
 def greedy_tokens(preset: str, args, level: int) -> tuple[tuple[list[list[int]], list[dict]], float]:
     """greedy() of an engine at -O<level>, and its start-up seconds."""
+    if args.device == "cuda":  # what the engines before this one left (Mixtral's check ran out of memory here)
+        print(f"{preset:12s} -O{level} engine: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated before "
+              f"its start", flush=True)
     start = time.perf_counter()
     llm = LLM(preset, device=args.device, dtype=args.dtype, max_num_seqs=8, max_model_len=256, num_kv_blocks=128,
               compilation_config=level)
