@@ -26,6 +26,7 @@ from kiln.ops.attention_reference import (
     paged_attention_reference,
     write_kv_reference,
 )
+from kiln.ops.cpu.extension import kernel as cpu_kernel
 from kiln.ops.rotary import rotary_native
 
 
@@ -103,7 +104,21 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_wr
 
         paged_attention(query, kv_cache, out, meta, scale, window=window, softcap=softcap)
     else:
+        paged_attention_cpu(query, kv_cache, out, meta, scale, window, softcap)
+
+
+def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, meta, scale: float,
+                        window: int, softcap: float) -> None:
+    """The built C++ kernel (kiln.ops.cpu: one call for the step's sequences), else the reference."""
+    kernel = cpu_kernel()
+    if kernel is None:
         paged_attention_reference(query, kv_cache, out, meta, scale, window, softcap)
+        return
+    target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+    kernel.paged_attention(query.contiguous(), kv_cache, target, meta.block_tables.to(torch.int32),
+                           meta.seq_lens_cpu, meta.query_start_loc_cpu, scale, window, softcap)
+    if target is not out:
+        out.copy_(target)
 
 
 @attention.register_fake

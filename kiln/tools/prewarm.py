@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -26,6 +27,8 @@ import torch
 
 from kiln.compile.config import DEFAULT_COMPILATION_LEVEL, CompilationConfig
 from kiln.config import EngineConfig
+
+logger = logging.getLogger("kiln")
 
 MANIFEST_KEYS = ("compile_ranges", "compile_sizes", "cudagraph_capture_sizes")
 
@@ -59,7 +62,8 @@ def prewarm(config: EngineConfig) -> dict:
     """Start an engine as a server with `config` would, on random weights (compiled code and
     kernels depend on shapes, not values): every range and size compiles into the compile-cache
     entry, and on a GPU every kernel compiles into the cache root's Triton cache while the GEMV
-    is tuned for each shape and the picks are kept. Returns what the entry and root now hold."""
+    is tuned for each shape and the picks are kept; on the CPU kiln's C++ attention is built into
+    the cache root. Returns what the entry and root now hold."""
     from kiln.compile.cache import cache_disabled
     from kiln.compile.cache.triton_kernels import counts
     from kiln.engine import LLMEngine
@@ -79,13 +83,22 @@ def prewarm(config: EngineConfig) -> dict:
         if compiled.mode == 3 and entry is None:
             raise RuntimeError("the forward was compiled but no cache entry was written; see the log")
         tuned = _keep_gemv_choices(config.torch_device) if on_gpu else 0
+        cpu_attention = None
+        if not on_gpu:  # kiln's C++ attention, built here so that no serving start pays the compiler
+            from kiln.ops.cpu import extension
+
+            try:
+                cpu_attention = str(extension.build())
+            except Exception as e:  # no compiler here: the entry is still good, starts use the reference
+                cpu_attention = f"not built ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                logger.warning("CPU attention kernel %s; starts here run the Python reference", cpu_attention)
         report = {"key": entry.key if entry else None, "path": str(entry.path) if entry else None,
                   "model": engine.source.name, "device": str(config.torch_device),
                   "dtype": str(config.torch_dtype).removeprefix("torch."), "describe": compiled.describe(),
                   "coverage": entry.coverage() if entry else None, "complete": entry.complete() if entry else True,
                   "graph": entry.manifest.get("graph") if entry else None,
                   "cuda_graphs": cuda_graphs_report(config), "seconds": seconds, "stats": compiled.stats,
-                  "triton": counts(), "gemv_tuned": tuned}
+                  "triton": counts(), "gemv_tuned": tuned, "cpu_attention": cpu_attention}
     finally:
         engine.shutdown()
     return report
@@ -130,6 +143,8 @@ def render(report: dict) -> str:
         lines.append(f"  kernels: {report['triton']['compiled']} Triton kernels compiled, "
                      f"{report['triton']['cache_hits']} found in the cache; GEMV configs kept for "
                      f"{report['gemv_tuned']} shapes")
+    if report.get("cpu_attention"):
+        lines.append(f"  CPU attention kernel: {report['cpu_attention']}")
     if report["key"] is not None:
         missing = report["coverage"]["missing"]
         lines.append(f"  missing: {', '.join(missing) or 'none'} -> {'complete' if report['complete'] else 'INCOMPLETE'}")

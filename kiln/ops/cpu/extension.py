@@ -1,0 +1,81 @@
+"""The CPU attention kernel (paged_attention.cpp): built once, loaded by every start.
+
+Building takes a compiler and tens of seconds, so a serving start never builds: `kiln prewarm
+--device cpu` (or build()) compiles it into the cache root, keyed by the source, torch and this
+CPU's instruction sets (it is built for the machine's own, -march=native), and later starts load
+that build. A start that finds none runs the Python reference and says so once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import platform
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger("kiln")
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+NAME = "kiln_cpu_attention"
+_loaded: ModuleType | None = None
+_said = False
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_dir() -> Path:
+    """Where this source's build for this torch and CPU lives."""
+    from kiln.compile.cache import cache_root
+
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(),
+                                     sys.version.encode()])).hexdigest()[:16]
+    return cache_root() / "cpu_kernels" / f"{NAME}-{key}"
+
+
+def _built_module(directory: Path) -> Path | None:
+    found = sorted(directory.glob(f"{NAME}*.so"))
+    return found[0] if found else None
+
+
+def build() -> Path:
+    """Compile the kernel into build_dir() (a no-op when it is there); returns the library."""
+    global _loaded
+    from torch.utils.cpp_extension import load
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    _loaded = load(NAME, [str(SOURCE)], build_directory=str(directory), extra_cflags=["-O3", "-march=native"],
+                   verbose=False)
+    return _built_module(directory)
+
+
+def kernel() -> ModuleType | None:
+    """The built kernel, loaded; None (with one log line) when it was never built here."""
+    global _loaded, _said
+    if _loaded is not None:
+        return _loaded
+    library = _built_module(build_dir())
+    if library is None:
+        if not _said:
+            _said = True
+            logger.info("CPU attention: the Python reference (per sequence); `kiln prewarm --device cpu` builds "
+                        "the batched C++ kernel into %s", build_dir().parent)
+        return None
+    spec = importlib.util.spec_from_file_location(NAME, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _loaded = module
+    return module

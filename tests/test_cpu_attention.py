@@ -1,0 +1,97 @@
+"""The C++ CPU paged attention (kiln/ops/cpu) against the Python reference: one call for a
+step's decode rows and prefill chunks, GQA, windows, soft-capping, fp32 and bf16; an engine on
+it gives the reference's tokens; a start without a build runs the reference and builds nothing."""
+
+import logging
+
+import pytest
+import torch
+
+from kiln.ops.attention import paged_attention_cpu
+from kiln.ops.attention_reference import paged_attention_reference
+from kiln.ops.cpu import extension
+
+from test_attention_reference import _metadata
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The kernel built into a cache root of its own (~25 s), unloaded afterwards, so other test
+    modules keep running the reference whatever their order."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KILN_CACHE_ROOT", str(tmp_path_factory.mktemp("cpu-kernel-root")))
+    mp.setattr(extension, "_loaded", None)
+    library = extension.build()
+    yield library
+    mp.undo()
+
+
+def _case(seed, seq_lens, query_lens, hq, hkv, d, block_size, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    meta = _metadata(seq_lens, query_lens, block_size, 64, gen)
+    cache = torch.randn(2, 64, block_size, hkv, d, generator=gen).to(dtype)
+    query = torch.randn(sum(query_lens), hq, d, generator=gen).to(dtype)
+    return query, cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (7, 0.0), (0, 5.0), (5, 2.0)])
+@pytest.mark.parametrize("hq, hkv, d, block_size", [(8, 2, 64, 16), (4, 4, 32, 4), (6, 1, 16, 8)])
+def test_kernel_matches_the_reference(built, dtype, window, softcap, hq, hkv, d, block_size):
+    # Prefill from scratch, decode rows, a chunk in mid-prompt, a context past one 32-key chunk
+    # and not a multiple of the block size.
+    seq_lens, query_lens = [23, 1, 70, 41, 2], [23, 1, 9, 1, 2]
+    query, cache, meta = _case(1, seq_lens, query_lens, hq, hkv, d, block_size, dtype)
+    theirs = torch.full_like(query, float("nan"))
+    paged_attention_reference(query, cache, theirs, meta, d**-0.5, window, softcap)
+    ours = torch.full_like(query, float("nan"))
+    paged_attention_cpu(query, cache, ours, meta, d**-0.5, window, softcap)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=tol, atol=tol)
+
+
+def test_padding_rows_past_the_last_sequence_are_left_alone(built):
+    query, cache, meta = _case(2, [5, 1], [5, 1], 4, 2, 16, 4, torch.float32)
+    padded = torch.cat([query, torch.zeros(2, 4, 16)])
+    out = torch.full_like(padded, 7.0)
+    paged_attention_cpu(padded, cache, out, meta, 0.25, 0, 0.0)
+    assert torch.equal(out[6:], torch.full((2, 4, 16), 7.0))
+    assert torch.isfinite(out[:6]).all()
+
+
+def test_bad_input_is_refused_with_a_message(built):
+    query, cache, meta = _case(3, [5], [5], 4, 2, 16, 4, torch.float32)
+    out = torch.empty_like(query)
+    with pytest.raises(RuntimeError, match="kv_cache and query must share a dtype"):
+        extension.kernel().paged_attention(query, cache.double(), out, meta.block_tables, meta.seq_lens_cpu,
+                                           meta.query_start_loc_cpu, 0.25, 0, 0.0)
+    with pytest.raises(RuntimeError, match="multiple of the cache's kv heads"):
+        extension.kernel().paged_attention(torch.randn(5, 3, 16), cache, torch.empty(5, 3, 16), meta.block_tables,
+                                           meta.seq_lens_cpu, meta.query_start_loc_cpu, 0.25, 0, 0.0)
+
+
+def test_an_engine_on_the_kernel_gives_the_references_tokens(built, monkeypatch):
+    from kiln import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    llm = LLM("smollm2", device="cpu", dtype="float32", block_size=16, num_kv_blocks=64, max_model_len=256,
+              max_num_batched_tokens=16)
+    calls = []
+    real = extension.kernel
+    monkeypatch.setattr("kiln.ops.attention.cpu_kernel", lambda: calls.append(1) or real())
+    ours = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert calls
+    monkeypatch.setattr("kiln.ops.attention.cpu_kernel", lambda: None)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ours
+    llm.shutdown()
+
+
+def test_without_a_build_the_reference_runs_and_nothing_is_built(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setattr(extension, "_loaded", None)
+    monkeypatch.setattr(extension, "_said", False)
+    with caplog.at_level(logging.INFO, logger="kiln"):
+        assert extension.kernel() is None and extension.kernel() is None
+    assert sum("kiln prewarm --device cpu" in r.message for r in caplog.records) == 1
+    assert not any(tmp_path.iterdir())
