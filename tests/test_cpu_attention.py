@@ -28,8 +28,8 @@ def built(tmp_path_factory):
 
 def _case(seed, seq_lens, query_lens, hq, hkv, d, block_size, dtype):
     gen = torch.Generator().manual_seed(seed)
-    meta = _metadata(seq_lens, query_lens, block_size, 64, gen)
-    cache = torch.randn(2, 64, block_size, hkv, d, generator=gen).to(dtype)
+    meta = _metadata(seq_lens, query_lens, block_size, 160, gen)
+    cache = torch.randn(2, 160, block_size, hkv, d, generator=gen).to(dtype)
     query = torch.randn(sum(query_lens), hq, d, generator=gen).to(dtype)
     return query, cache, meta
 
@@ -39,8 +39,9 @@ def _case(seed, seq_lens, query_lens, hq, hkv, d, block_size, dtype):
 @pytest.mark.parametrize("hq, hkv, d, block_size", [(8, 2, 64, 16), (4, 4, 32, 4), (6, 1, 16, 8)])
 def test_kernel_matches_the_reference(built, dtype, window, softcap, hq, hkv, d, block_size):
     # Prefill from scratch, decode rows, a chunk in mid-prompt, a context past one 32-key chunk
-    # and not a multiple of the block size.
-    seq_lens, query_lens = [23, 1, 70, 41, 2], [23, 1, 9, 1, 2]
+    # and not a multiple of the block size; 70 queries of one sequence take the matmul path (64-token
+    # tiles over 256-key chunks: 300 tokens of context cross one).
+    seq_lens, query_lens = [23, 1, 70, 41, 2, 300], [23, 1, 9, 1, 2, 70]
     query, cache, meta = _case(1, seq_lens, query_lens, hq, hkv, d, block_size, dtype)
     theirs = torch.full_like(query, float("nan"))
     paged_attention_reference(query, cache, theirs, meta, d**-0.5, window, softcap)

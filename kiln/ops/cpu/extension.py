@@ -22,6 +22,9 @@ logger = logging.getLogger("kiln")
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 NAME = "kiln_cpu_attention"
+# The machine's own vector units; SIMD pragmas only (no OpenMP runtime); expf without errno, so
+# that the softmax's exponentials vectorise.
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 _loaded: ModuleType | None = None
 _said = False
 
@@ -40,8 +43,8 @@ def build_dir() -> Path:
     """Where this source's build for this torch and CPU lives."""
     from kiln.compile.cache import cache_root
 
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(),
-                                     sys.version.encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+                                     _cpu_flags().encode(), sys.version.encode()])).hexdigest()[:16]
     return cache_root() / "cpu_kernels" / f"{NAME}-{key}"
 
 
@@ -57,7 +60,7 @@ def build() -> Path:
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    _loaded = load(NAME, [str(SOURCE)], build_directory=str(directory), extra_cflags=["-O3", "-march=native"],
+    _loaded = load(NAME, [str(SOURCE)], build_directory=str(directory), extra_cflags=CFLAGS,
                    verbose=False)
     return _built_module(directory)
 
