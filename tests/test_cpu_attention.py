@@ -92,6 +92,7 @@ def test_without_a_build_the_reference_runs_and_nothing_is_built(tmp_path, monke
     monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
     monkeypatch.setattr(extension, "_loaded", None)
     monkeypatch.setattr(extension, "_said", False)
+    monkeypatch.setattr(extension, "_absent", set())
     with caplog.at_level(logging.INFO, logger="kiln"):
         assert extension.kernel() is None and extension.kernel() is None
     assert sum("kiln prewarm --device cpu" in r.message for r in caplog.records) == 1

@@ -8,6 +8,7 @@ that build. A start that finds none runs the Python reference and says so once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -26,6 +27,7 @@ NAME = "kiln_cpu_attention"
 # that the softmax's exponentials vectorise.
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 _loaded: ModuleType | None = None
+_absent: set[Path] = set()  # build dirs looked in and found empty
 _said = False
 
 
@@ -39,16 +41,22 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+@functools.cache
+def _build_key() -> str:
+    return hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+                                      _cpu_flags().encode(), sys.version.encode()])).hexdigest()[:16]
+
+
 def build_dir() -> Path:
     """Where this source's build for this torch and CPU lives."""
     from kiln.compile.cache import cache_root
 
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
-                                     _cpu_flags().encode(), sys.version.encode()])).hexdigest()[:16]
-    return cache_root() / "cpu_kernels" / f"{NAME}-{key}"
+    return cache_root() / "cpu_kernels" / f"{NAME}-{_build_key()}"
 
 
 def _built_module(directory: Path) -> Path | None:
+    if (directory / "lock").exists():  # torch's build lock: a prewarm is linking it right now
+        return None
     found = sorted(directory.glob(f"{NAME}*.so"))
     return found[0] if found else None
 
@@ -60,18 +68,24 @@ def build() -> Path:
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    _absent.discard(directory)
     _loaded = load(NAME, [str(SOURCE)], build_directory=str(directory), extra_cflags=CFLAGS,
                    verbose=False)
     return _built_module(directory)
 
 
 def kernel() -> ModuleType | None:
-    """The built kernel, loaded; None (with one log line) when it was never built here."""
+    """The built kernel, loaded; None (with one log line) when it was never built here. Called by
+    every attention op: a cache root found without a build is not looked in again."""
     global _loaded, _said
     if _loaded is not None:
         return _loaded
-    library = _built_module(build_dir())
+    directory = build_dir()
+    if directory in _absent:
+        return None
+    library = _built_module(directory)
     if library is None:
+        _absent.add(directory)
         if not _said:
             _said = True
             logger.info("CPU attention: the Python reference (per sequence); `kiln prewarm --device cpu` builds "
