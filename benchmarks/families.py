@@ -100,7 +100,8 @@ def run_preset(preset: str, args, rates: tuple[float, float]) -> dict:
     out["default_first_logprob_max_diff"] = logprob_diff(default[1], eager[1])
     out["O2_first_logprob_max_diff"] = logprob_diff(compiled[1], eager[1])
     print(f"{preset:12s} tokens against eager: default {'equal' if out['default_tokens_equal_eager'] else 'DIFFER'}, "
-          f"-O2 {'equal' if out['O2_tokens_equal_eager'] else 'DIFFER'} ({out['O2_requests_equal_eager']:.0%} of requests; "
+          f"-O2 {'equal' if out['O2_tokens_equal_eager'] else 'DIFFER'} "
+          f"({out['O2_requests_equal_eager']:.0%} of requests; "
           f"first-token log probabilities within {out['O2_first_logprob_max_diff']:.2e})", flush=True)
     return out
 

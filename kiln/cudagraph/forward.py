@@ -4,7 +4,8 @@ This is the package's entry point for the engine. Captured at start-up, after th
 exists (a full graph's attention reads it): every (phase, bucket) the dispatcher can pick,
 largest first, into one memory pool. A decode step also runs the engine's `head` on its
 hidden states (the logits and the greedy choice): inside a full decode graph, so that the
-replay leaves only sampling's extra work, if any, to launch; after the forward otherwise. Each capture is preceded by one ordinary run of the
+replay leaves only sampling's extra work, if any, to launch; after the forward otherwise.
+Each capture is preceded by one ordinary run of the
 same shape, so that nothing compiles, autotunes or allocates lazily inside the capture. On
 the CPU nothing is captured and every call passes through (with the same dispatch and
 padding, when enabled).

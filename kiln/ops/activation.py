@@ -74,4 +74,5 @@ class GeluTanhAndMul(CustomOp):
 
 # A gated MLP's activation by name: its CustomOp (whose switch says whether its kernel is on) and
 # its reference.
-GATED_ACTIVATIONS = {"silu": (SiluAndMul, silu_and_mul_native), "gelu_tanh": (GeluTanhAndMul, gelu_tanh_and_mul_native)}
+GATED_ACTIVATIONS = {"silu": (SiluAndMul, silu_and_mul_native),
+                     "gelu_tanh": (GeluTanhAndMul, gelu_tanh_and_mul_native)}

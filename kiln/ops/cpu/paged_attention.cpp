@@ -1,9 +1,11 @@
 // Paged attention on the CPU: one call for a whole step (decode rows and prefill chunks mixed),
-// reading K and V where they lie in the paged cache. Each work item is a tile of up to 8
-// consecutive query tokens of one sequence and one KV head: its rows (tokens x the GQA group's
-// query heads) share every K/V load and walk the context in chunks of keys with an online softmax
-// (a running max and sum per row), so memory stays O(rows x head_dim) per item, with no L x L
-// mask and no repeated K/V. Scores and sums are fp32 whatever the cache's dtype.
+// reading K and V where they lie in the paged cache. Each work item is a tile of consecutive query
+// tokens of one sequence and one KV head: its rows (tokens x the GQA group's query heads) share
+// every K/V load and walk the context in chunks of keys with an online softmax (a running max and
+// sum per row), so memory stays O(rows x head_dim) per item, with no L x L mask and no repeated
+// K/V. Decode rows and short chunks take 8-token tiles and SIMD loops; a sequence with 64 or more
+// queries takes 64-token tiles whose scores and P V are ATen matmuls. Scores and sums are fp32
+// whatever the cache's dtype.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -15,8 +17,10 @@
 
 namespace {
 
-constexpr int64_t kChunk = 32;      // keys scored before the accumulators are rescaled once
-constexpr int64_t kQueryTile = 8;   // query tokens of one sequence that share each K/V load
+constexpr int64_t kChunk = 32;          // keys scored before the accumulators are rescaled once
+constexpr int64_t kQueryTile = 8;       // query tokens of one sequence that share each K/V load
+constexpr int64_t kPrefillTile = 64;    // query tokens per item where a sequence has many (matmuls)
+constexpr int64_t kPrefillChunk = 256;  // keys per matmul there
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
@@ -27,9 +31,6 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 struct Item {
     int64_t seq, first_token, num_tokens;  // a tile of consecutive query tokens of one sequence
 };
-
-constexpr int64_t kPrefillTile = 64;   // query tokens per item where a sequence has many (matmuls)
-constexpr int64_t kPrefillChunk = 256;  // keys per matmul there
 
 // One item of a sequence with many queries: flash attention with ATen matmuls on fp32 tiles
 // (S = Q K^T over 256 keys, then P V), which run at the BLAS rate the scalar loops cannot reach.
@@ -43,7 +44,8 @@ void attend_tile_gemm(const T* q_base, const T* k_base, const T* v_base, T* out_
     const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_position - window + 1) : 0;
     auto options = at::TensorOptions().dtype(at::kFloat);
     at::Tensor q = at::empty({rows, head_dim}, options), acc = at::zeros({rows, head_dim}, options);
-    at::Tensor keys = at::empty({kPrefillChunk, head_dim}, options), values = at::empty({kPrefillChunk, head_dim}, options);
+    at::Tensor keys = at::empty({kPrefillChunk, head_dim}, options);
+    at::Tensor values = at::empty({kPrefillChunk, head_dim}, options);
     float* qp = q.data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r) {
         const T* src = q_base + ((first_token + r / group) * num_q_heads + kv_head * group + r % group) * head_dim;
@@ -141,7 +143,8 @@ void attend(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
             const int64_t kv_head = item % num_kv_heads, rows = tile.num_tokens * group;
             const int64_t num_queries = query_start[tile.seq + 1] - query_start[tile.seq];
             // Row r = (token r / group, head r % group); its position in the sequence:
-            const int64_t first_position = seq_lens[tile.seq] - num_queries + (tile.first_token - query_start[tile.seq]);
+            const int64_t first_position =
+                seq_lens[tile.seq] - num_queries + (tile.first_token - query_start[tile.seq]);
             const int64_t last_position = first_position + tile.num_tokens - 1;
             const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_position - window + 1) : 0;
             const int32_t* table = tables + tile.seq * table_stride;
@@ -229,7 +232,8 @@ void attend(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
                 }
             }
             for (int64_t r = 0; r < rows; ++r) {
-                T* dst = out_base + ((tile.first_token + r / group) * num_q_heads + kv_head * group + r % group) * head_dim;
+                T* dst = out_base +
+                         ((tile.first_token + r / group) * num_q_heads + kv_head * group + r % group) * head_dim;
                 const float inv = running_sum[r] > 0.f ? 1.f / running_sum[r] : 0.f;
                 for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[r * head_dim + d] * inv);
             }
