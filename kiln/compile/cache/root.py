@@ -11,8 +11,10 @@ from kiln.compile.cache.store import cache_root, check_root, private_dir, write_
 from kiln.compile.monitor import logger
 
 # The root's folders that are not entries: the traced-sources index, Triton's kernel cache
-# (kiln.compile.cache.triton_kernels) and kiln prewarm's tuning (kiln.ops.triton.gemv_configs).
-NOT_ENTRIES = ("index", "triton", "tuning")
+# (kiln.compile.cache.triton_kernels), kiln prewarm's tuning (kiln.ops.triton.gemv_configs) and
+# its builds of kiln's C++ CPU kernels (kiln.ops.cpu.extension).
+CPU_KERNELS = "cpu_kernels"
+NOT_ENTRIES = ("index", "triton", "tuning", CPU_KERNELS)
 
 
 @dataclass

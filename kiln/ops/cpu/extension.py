@@ -50,8 +50,9 @@ def _build_key() -> str:
 def build_dir() -> Path:
     """Where this source's build for this torch and CPU lives."""
     from kiln.compile.cache import cache_root
+    from kiln.compile.cache.root import CPU_KERNELS
 
-    return cache_root() / "cpu_kernels" / f"{NAME}-{_build_key()}"
+    return cache_root() / CPU_KERNELS / f"{NAME}-{_build_key()}"
 
 
 def _built_module(directory: Path) -> Path | None:
