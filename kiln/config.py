@@ -44,6 +44,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_gib: float = 1.0  # CPU: memory for the KV cache
+    cpu_threads: int | None = None  # CPU: intra-op threads per process; None: kiln.engine.cpu_threads decides
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU kiln may fill, cache included
     num_kv_blocks: int | None = None  # overrides both budgets (tests, small-memory runs)
     max_num_seqs: int = 64
@@ -88,6 +89,9 @@ class EngineConfig:
             raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
+                                             or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be an integer >= 1 (or None: kiln decides), got {self.cpu_threads!r}")
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -188,6 +192,9 @@ class EngineConfig:
                             "keep finished requests' blocks until the memory is needed (default: on)")
         p.add_argument("--block-size", type=int, default=16)
         p.add_argument("--kv-cache-gib", type=float, default=1.0)
+        p.add_argument("--cpu-threads", type=int, default=None,
+                       help="CPU: intra-op threads per process (default: the CPUs no other process keeps busy "
+                            "at start, shared by the ranks; OMP_NUM_THREADS, if set, wins)")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         p.add_argument("--custom-ops", default="", help="e.g. 'none,+rms_norm' (one base: all or none)")
         p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
@@ -205,7 +212,8 @@ class EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens, max_step_seconds=args.max_step_seconds,
             async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
             block_size=args.block_size,
-            kv_cache_gib=args.kv_cache_gib, gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_gib=args.kv_cache_gib, cpu_threads=args.cpu_threads,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             custom_ops=[s for s in args.custom_ops.split(",") if s], tensor_parallel_size=args.tensor_parallel_size,
             load_format=args.load_format)
         return cls(**{**values, **overrides})

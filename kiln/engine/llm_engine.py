@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 
 from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
+from kiln.engine.cpu_threads import choose_threads
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.outputs import RequestOutput
 from kiln.engine.runner import LaunchedStep, ModelRunner, SampledToken
@@ -24,6 +26,11 @@ logger = logging.getLogger("kiln")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, timeline: StartupTimeline | None = None):
+        if config.torch_device.type == "cpu":
+            # Decided once, here: the ranks kiln starts take this count and do not sample the CPUs themselves.
+            threads, why = choose_threads(config.cpu_threads, config.tensor_parallel_size)
+            logger.info("CPU threads: %d per process (%s)", threads, why)
+            config = dataclasses.replace(config, cpu_threads=threads)
         self.config = config
         self.timeline = timeline or StartupTimeline()
         with self.timeline.phase("checkpoint"):

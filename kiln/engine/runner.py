@@ -114,6 +114,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, timeline: StartupTimeline):
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
+        if self.device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         self.block_size = config.block_size
         self.custom_ops = config.resolved_custom_ops()
         # The last launched step's sampled tokens on the device, and each sequence's index among them.
