@@ -1,9 +1,9 @@
 """How many intra-op threads a CPU engine runs with.
 
 Measured on the 2-core dev machine (benchmarks/cpu_threads.py, SmolLM2 fp32): alone, 2 threads
-serve 16 streams at 1.7x the speed of 1 (~215 against ~127 tok/s); beside a process that keeps
-one core busy, 2 threads drop to 26-46 tok/s (every parallel region waits for the thread whose
-core is taken) while 1 thread holds ~130. So the default takes the CPUs this process may run on
+serve 16 streams at 1.7x the speed of 1 (212-218 against 120-130 tok/s); beside a process that
+keeps one core busy, 2 threads drop to 18-21 tok/s (every parallel region waits for the thread
+whose core is taken) while 1 thread holds 129-130. So the default takes the CPUs this process may run on
 that no other process keeps busy when the engine starts, shared among the tensor-parallel ranks.
 An explicit --cpu-threads, or OMP_NUM_THREADS in the environment, wins.
 """
