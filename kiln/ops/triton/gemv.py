@@ -48,11 +48,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from kiln.ops.activation import GATED_ACTIVATIONS
 from kiln.ops.triton import gemv_configs
 from kiln.ops.triton.kernels.gemv import gemv_dot_kernel, gemv_fma_kernel
 
 MAX_ROWS = 64  # above this, callers use cuBLAS
-ACTIVATIONS = ("silu", "gelu_tanh")  # what a gated launch can compute in its loads
+ACTIVATIONS = tuple(GATED_ACTIVATIONS)  # what a gated launch can compute in its loads
 # Measured on the H200 (benchmarks/gemv.py): the FMA kernel wins at one row (qkv 1.14x,
 # o_proj 1.09x over cuBLAS) but lost 0.5-0.9x at 2 and 4 rows, where the tl.dot kernel
 # (x padded to 16 rows) matched or beat cuBLAS.
