@@ -89,7 +89,7 @@ def main():
     else:
         sweep = ((32, 64, 128), (2, 4, 8), (None, 1, 2), (1, 4, 16))
     if shape.dim > 128 and not args.quick:  # a 256-wide key tile holds twice the bytes of Llama's
-        sweep = ((16, 32, 64), (2, 4, 8), (None, 1, 2), (1, 2, 4, 8))
+        sweep = ((16, 32, 64), (4, 8), (None, 2), (1, 2, 4, 8))
     device = "cuda"
     # Contexts that are not tile multiples (160: 1.25 tiles of 128 keys) are what a decode meets.
     cases = [(1, 160), (8, 160), (64, 160), (256, 160), (64, 1000), (256, 1000), (1, 4096), (8, 2048)]
@@ -104,7 +104,7 @@ def main():
         paged_attention(q, kv, reference, meta, shape.dim**-0.5, **options)
         kv_bytes = batch * context * shape.kv_heads * shape.dim * 2 * 2
         default_tiles = choose_tiles(1, shape.heads // shape.kv_heads, shape.dim, batch * shape.kv_heads, q.device)
-        default_splits = choose_kv_splits(meta, shape.kv_heads, q.device)
+        default_splits = choose_kv_splits(meta, shape.kv_heads, q.device, shape.dim)
         rows = []
         for block_n, warps, stages, splits in itertools.product(*sweep[:3], sorted({*sweep[3], default_splits})):
             if splits > 1 and (context // splits < block_n or (batch > 8 and not args.large_batches)):

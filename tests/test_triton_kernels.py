@@ -31,7 +31,8 @@ from kiln.ops.attention_reference import paged_attention_reference, write_kv_ref
 from kiln.ops.norm import fused_add_rms_norm_native, rms_norm_native  # noqa: E402
 from kiln.ops.rotary import rope_cos_sin_cache, rotary_native  # noqa: E402
 from kiln.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul  # noqa: E402
-from kiln.ops.triton.attention import choose_tiles, paged_attention, write_kv  # noqa: E402
+from kiln.ops.triton.attention import (  # noqa: E402
+    AttentionTiles, choose_kv_splits, choose_tiles, paged_attention, write_kv)
 from kiln.ops.triton import gemv  # noqa: E402
 from kiln.ops.triton.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from kiln.ops.triton.rotary import rotary_embedding  # noqa: E402
@@ -549,6 +550,20 @@ def test_paged_attention_decode_tiles_of_a_large_batch():
     largest = choose_tiles(1, 4, 128, programs=256 * 8, device=torch.device(DEVICE))
     assert (largest.block_n, largest.num_warps) == (32, 2)
     assert_attention_matches(batch, batch.kernel_output(tiles=largest), batch.reference_output())
+
+
+def test_paged_attention_decode_of_wide_heads_splits_short_contexts():
+    # Gemma 2's 256-wide heads: 32-key tiles pipelined 2 deep, 8 warps while the batch is small,
+    # and contexts split once they hold two such tiles (Llama's heads need 256 keys for that).
+    device = torch.device(DEVICE)
+    assert choose_tiles(1, 2, 256, programs=8, device=device) == AttentionTiles(16, 32, 8, 2)
+    assert choose_tiles(1, 2, 256, programs=64 * 8, device=device) == AttentionTiles(16, 32, 4, 2)
+    batch = PagedBatch(query_lens=[1] * 3, seq_lens=[160, 1, 45], num_heads=4, num_kv_heads=2,
+                       head_dim=256, block_size=16, dtype=torch.float16)
+    assert choose_kv_splits(batch.meta, 2, device, head_dim=256) == 4
+    assert choose_kv_splits(batch.meta, 2, device, head_dim=128) == 1
+    expected = batch.reference_output(window=100, softcap=5.0)
+    assert_attention_matches(batch, batch.kernel_output(window=100, softcap=5.0), expected)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])

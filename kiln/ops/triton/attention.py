@@ -40,8 +40,11 @@ from kiln.forward_context import AttentionMetadata
 from kiln.ops.triton.kernels.attention import paged_attention_kernel, write_kv_kernel
 
 MAX_KV_SPLITS = 16
-# Below this many keys a decode context is not worth splitting.
+# Below this many keys a decode context is not worth splitting. A 256-wide head's 32-key tile
+# is worth it: Gemma 2's 160-key contexts split 4 ways ran 1.5-1.7x faster at batches 1 and 8
+# (benchmarks/attention_tiles.py --shape gemma-2-9b on the H200).
 MIN_KEYS_PER_SPLIT = 128
+WIDE_HEAD_MIN_KEYS_PER_SPLIT = 32
 # Programs per SM a decode launch aims for before it splits contexts (measured on the H200
 # with benchmarks/attention_tiles.py: 1 per SM left batch 8 at 2k tokens 1.8x slower).
 PROGRAMS_PER_SM = 4
@@ -104,17 +107,20 @@ def choose_tiles(max_query_len: int, group: int, head_dim: int, programs: int = 
     # tl.dot needs at least 16 rows; a decode tile is one token's GROUP heads, padded to 16.
     rows_needed = triton.next_power_of_2(group)
     block_m = max(16 if max_query_len == 1 else 64, rows_needed)
-    if head_dim > 128:
-        return AttentionTiles(block_m=block_m, block_n=32, num_warps=4)
     if max_query_len != 1:
-        return AttentionTiles(block_m=block_m, block_n=64, num_warps=4)
+        return AttentionTiles(block_m=block_m, block_n=32 if head_dim > 128 else 64, num_warps=4)
+    sms = _multiprocessor_count(device or torch.device("cpu"))
+    if head_dim > 128:
+        # Gemma 2's decode (attention_tiles.py --shape gemma-2-9b): 32-key tiles pipelined 2 deep
+        # at every batch (1.15-1.4x faster than unpipelined at 64 and 256), with 8 warps while the
+        # programs do not fill the GPU (batches 1 and 8: 1.1-1.2x faster than 4).
+        return AttentionTiles(block_m=block_m, block_n=32, num_warps=8 if programs < 2 * sms else 4, num_stages=2)
     # Decode (benchmarks/attention_tiles.py on the H200): a small batch, whose programs do not
     # fill the GPU, keeps more loads in flight with 128-key tiles (1.1-1.7x faster than 64); once
     # there are a few programs per SM, 64-key tiles pipelined 2 deep win (1.1-1.4x at batch 64
     # and 256, contexts 160 and 1000); with 15 or more per SM (batch 256), 32-key tiles of 2 warps
     # win again (1.15x at context 160, 1.03x at 1000). A CUDA graph is captured for every context
     # length, so the tiles follow the batch alone.
-    sms = _multiprocessor_count(device or torch.device("cpu"))
     if programs >= 8 * sms:
         return AttentionTiles(block_m=block_m, block_n=32, num_warps=2, num_stages=2)
     if programs >= 2 * sms:
@@ -134,7 +140,7 @@ def _multiprocessor_count(device: torch.device) -> int:
     return _sm_count[index]
 
 
-def choose_kv_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
+def choose_kv_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.device, head_dim: int = 128) -> int:
     """How many ranges each context is cut into: >1 only for decode batches too small to fill the GPU.
 
     Any value gives the same result; it depends on meta's Python ints (not device data), so
@@ -144,7 +150,7 @@ def choose_kv_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.d
         return 1
     programs = max(meta.seq_lens.shape[0], 1) * num_kv_heads
     by_occupancy = PROGRAMS_PER_SM * _multiprocessor_count(device) // programs
-    by_length = meta.max_seq_len // MIN_KEYS_PER_SPLIT
+    by_length = meta.max_seq_len // (MIN_KEYS_PER_SPLIT if head_dim <= 128 else WIDE_HEAD_MIN_KEYS_PER_SPLIT)
     splits = min(by_occupancy, by_length, MAX_KV_SPLITS)
     return 1 if splits < 2 else 2 ** int(math.log2(splits))
 
@@ -205,7 +211,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     group = num_heads // num_kv_heads
     tiles = tiles or choose_tiles(meta.max_query_len, group, head_dim, num_seqs * num_kv_heads, query.device)
-    splits = choose_kv_splits(meta, num_kv_heads, query.device) if kv_splits is None else kv_splits
+    splits = choose_kv_splits(meta, num_kv_heads, query.device, head_dim) if kv_splits is None else kv_splits
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"paged_attention: kv_splits must be a power of two, got {splits}")
     block_q = tiles.block_m // group
