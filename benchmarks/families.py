@@ -33,9 +33,9 @@ from kiln.tools.traffic import decode_weight_bytes
 PRESETS = ["llama-3-8b", "mistral-7b", "qwen2.5-7b", "qwen3-8b", "gemma-2-9b", "mixtral-8x7b", "qwen3-30b-a3b"]
 
 
-def free(llm: LLM, device: str) -> None:
-    llm.shutdown()
-    del llm
+def release_memory(device: str) -> None:
+    """Call after the caller dropped its last name of an engine: a function given the engine
+    cannot free it, its caller's name keeps it alive (Mixtral's check ran out of memory so)."""
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -66,11 +66,14 @@ def greedy_tokens(preset: str, args, level: int) -> tuple[tuple[list[list[int]],
               compilation_config=level)
     startup = time.perf_counter() - start
     tokens = greedy(llm, args)
-    free(llm, args.device)
+    llm.shutdown()
+    del llm
+    release_memory(args.device)
     return tokens, startup
 
 
-def run_preset(preset: str, args, rates: tuple[float, float]) -> dict:
+def run_preset(preset: str, args, rates: tuple[float, float], out: dict) -> None:
+    """Fills `out` as it measures, so a preset that fails later keeps its numbers."""
     cfg = load_source(preset).config
     elem = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     floor = Floor(rates[0], rates[1], decode_weight_bytes(cfg, elem))
@@ -79,8 +82,8 @@ def run_preset(preset: str, args, rates: tuple[float, float]) -> dict:
     llm = LLM(preset, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batches),
               max_num_batched_tokens=2048, max_model_len=args.context + 2 * (args.warmup + args.steps) + 32,
               num_kv_blocks=blocks)
-    out = {"preset": preset, "architecture": cfg.architecture, "default_startup_s": time.perf_counter() - start,
-           "weight_bytes": floor.weight_bytes, "points": []}
+    out.update({"architecture": cfg.architecture, "default_startup_s": time.perf_counter() - start,
+                "weight_bytes": floor.weight_bytes, "points": []})
     for batch in args.batches:
         point = measure_batch(llm, batch, args)
         point["floor_ms"] = floor_for(cfg, elem, floor, batch, point["mean_context"])["step_ms"]
@@ -89,9 +92,9 @@ def run_preset(preset: str, args, rates: tuple[float, float]) -> dict:
         print(f"{preset:12s} b{batch:<4d} engine step {point['engine_step_ms']:6.2f} ms, floor "
               f"{point['floor_ms']:6.2f} ms ({point['vs_floor']:.2f}x)", flush=True)
     default = greedy(llm, args)
-    free(llm, args.device)
-    del llm  # free()'s own name went; this one kept the engine alive beside the next two (Mixtral: 2 x 93 GB)
-    gc.collect()
+    llm.shutdown()
+    del llm
+    release_memory(args.device)
     eager, out["eager_startup_s"] = greedy_tokens(preset, args, 0)
     compiled, out["O2_startup_s"] = greedy_tokens(preset, args, 2)
     out["default_tokens_equal_eager"] = default[0] == eager[0]
@@ -103,7 +106,6 @@ def run_preset(preset: str, args, rates: tuple[float, float]) -> dict:
           f"-O2 {'equal' if out['O2_tokens_equal_eager'] else 'DIFFER'} "
           f"({out['O2_requests_equal_eager']:.0%} of requests; "
           f"first-token log probabilities within {out['O2_first_logprob_max_diff']:.2e})", flush=True)
-    return out
 
 
 def main() -> None:
@@ -123,22 +125,21 @@ def main() -> None:
     rates = (measure_copy(args.device, dtype), measure_matmul(args.device, dtype))
     results = []
     for preset in args.presets:
+        results.append({"preset": preset})
         try:
-            results.append(run_preset(preset, args, rates))
+            run_preset(preset, args, rates, results[-1])
         except Exception as e:  # one family that fails must not lose the others' numbers
-            results.append({"preset": preset, "error": f"{type(e).__name__}: {e}".splitlines()[0]})
+            results[-1]["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
             print(f"{preset}: {results[-1]['error']}", flush=True)
         if "error" in results[-1]:  # out of the except clause, whose traceback's frames held the engines
-            gc.collect()
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
+            release_memory(args.device)
         write_report(results, rates, args)  # after each preset: a run cut short keeps what it measured
     print(f"\n{'preset':12s} {'batch':>5s} {'step ms':>8s} {'floor ms':>8s} {'vs floor':>8s} {'vs llama':>8s}  tokens")
     for r in results:
         for point in r.get("points", []):
             print(f"{r['preset']:12s} {point['batch']:>5d} {point['engine_step_ms']:>8.2f} {point['floor_ms']:>8.2f} "
                   f"{point['vs_floor']:>7.2f}x {point.get('floor_ratio_vs_llama', float('nan')):>7.2f}x  "
-                  f"default {r['default_tokens_equal_eager']}, O2 {r['O2_tokens_equal_eager']}")
+                  f"default {r.get('default_tokens_equal_eager')}, O2 {r.get('O2_tokens_equal_eager')}")
     print(f"wrote {Path(args.out) / f'families_{args.device}.json'}")
 
 
