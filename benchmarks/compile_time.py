@@ -29,13 +29,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 from kiln.compile import compile_model  # noqa: E402
 from kiln.compile.config import CompilationConfig, parse_compilation_args  # noqa: E402
-from kiln.config import resolve_custom_ops  # noqa: E402
+from kiln.config import default_custom_ops, resolve_custom_ops  # noqa: E402
 from kiln.models import build_model  # noqa: E402
 from kiln.models.presets import PRESETS  # noqa: E402
 
 
 def build(name: str, device: torch.device, dtype: torch.dtype, config: CompilationConfig) -> torch.nn.Module:
-    custom_ops = resolve_custom_ops([], default_base="none" if config.uses_inductor else "all")
+    custom_ops = resolve_custom_ops(default_custom_ops(config), "none")
     if name in PRESETS:  # random weights
         return build_model(PRESETS[name], dtype, device, custom_ops, None)
     from kiln.loader import (

@@ -144,14 +144,12 @@ class EngineConfig:
         return CompilationConfig.level(0, **graphs)
 
     @property
-    def default_custom_ops_base(self) -> str:
-        # Inductor fuses the native paths better than opaque kernels; without it the fused
-        # kernels are the only fusion there is.
-        return "none" if self.compilation_config.uses_inductor else "all"
+    def default_custom_ops(self) -> list[str]:
+        return default_custom_ops(self.compilation_config)
 
     def resolved_custom_ops(self) -> frozenset[str]:
-        """The ops whose kernel path the model takes: `custom_ops` over the default base."""
-        enabled = resolve_custom_ops(self.custom_ops, self.default_custom_ops_base)
+        """The ops whose kernel path the model takes: `custom_ops`, or the default list."""
+        enabled = resolve_custom_ops(self.custom_ops or self.default_custom_ops, "none")
         # The GEMV only has a CUDA kernel: elsewhere its op is F.linear behind a dispatcher
         # call (6 us more a matmul on the 2-core CPU), so only an explicit +skinny_linear keeps it.
         if self.torch_device.type != "cuda" and "+skinny_linear" not in self.custom_ops:
@@ -217,6 +215,17 @@ class EngineConfig:
             custom_ops=[s for s in args.custom_ops.split(",") if s], tensor_parallel_size=args.tensor_parallel_size,
             load_format=args.load_format)
         return cls(**{**values, **overrides})
+
+
+def default_custom_ops(compilation: CompilationConfig) -> list[str]:
+    """The kernel ops a model gets when `custom_ops` is not set."""
+    if not compilation.uses_inductor:
+        return ["all"]  # the fused kernels are the only fusion there is
+    # Inductor fuses the native paths better than opaque kernels, but a norm it fuses sums its
+    # row in another order than eager's kernel: in bf16 the rounding that follows flipped 22 of
+    # 50 greedy SmolLM2 chats (benchmarks/greedy_agreement.py). The norms stay kernels, so
+    # compiled tokens follow eager's.
+    return ["none", "+rms_norm", "+fused_add_rms_norm"]
 
 
 def resolve_custom_ops(spec: list[str] | tuple[str, ...] | str, default_base: str) -> frozenset[str]:

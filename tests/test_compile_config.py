@@ -71,10 +71,21 @@ def test_unknown_key_lists_valid_keys():
     (["-Ofast"], "-O takes a level"),
     (["-cc.mode"], "-cc.<key>=<value>"),
     (["--compilation-config", "{mode: 3}"], "JSON object"),
+    (['-cc.inductor_compile_config={"emulate_precision_cast": false}'],
+     "'emulate_precision_cast' is not a torch._inductor.config setting"),
+    (['-cc.inductor_compile_config={"graph_partition": true}'], "kiln sets from compilation splitting_mode"),
+    (["-cc.inductor_compile_config=[1]"], "must be a JSON object of torch._inductor.config settings"),
 ])
 def test_bad_values_fail_at_start_up(argv, message):
     with pytest.raises(ValueError, match=message):
         parse_compilation_args(argv)
+
+
+def test_inductor_settings_round_as_eager_unless_told_otherwise():
+    assert CompilationConfig.level(2).inductor_settings() == {"emulate_precision_casts": True}
+    _, config = parse_compilation_args(['-cc.inductor_compile_config={"emulate_precision_casts": false, '
+                                        '"max_autotune": true}'])
+    assert config.inductor_settings() == {"emulate_precision_casts": False, "max_autotune": True}
 
 
 def test_uses_inductor():

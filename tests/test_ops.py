@@ -148,3 +148,17 @@ def test_skinny_linear_is_on_by_default_on_cuda_only(monkeypatch):
     assert "skinny_linear" in asked.resolved_custom_ops()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the config only, nothing runs
     assert "skinny_linear" in EngineConfig(model="tiny-llama", device="cuda").resolved_custom_ops()
+
+
+def test_inductor_compiles_take_the_norm_kernels_by_default():
+    # Inductor's fused norm sums a row in another order than the kernel (eager's path), which
+    # flips bf16 roundings and then greedy tokens; the other ops are Inductor's to fuse.
+    from kiln.compile.config import CompilationConfig
+    from kiln.config import EngineConfig
+
+    compiled = EngineConfig(model="tiny-llama", device="cpu", compilation=CompilationConfig.level(2))
+    assert compiled.resolved_custom_ops() == {"rms_norm", "fused_add_rms_norm"}
+    eager = EngineConfig(model="tiny-llama", device="cpu", compilation=CompilationConfig.level(0))
+    assert eager.resolved_custom_ops() == set(known_ops()) - {"skinny_linear"}
+    asked = EngineConfig(model="tiny-llama", device="cpu", compilation=CompilationConfig.level(2), custom_ops=["none"])
+    assert asked.resolved_custom_ops() == frozenset()

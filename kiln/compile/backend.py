@@ -113,7 +113,7 @@ class PiecewiseBackend:
         # Only FX splitting cuts the graph here; otherwise Inductor sees it whole.
         self.split_names = split_names if config.splitting_mode == "fx" else set()
         self.passes = PassManager(config.passes, monitor, config.pass_dump_dir)
-        self.inductor_config = inductor_settings(config.splitting_mode, split_names, self.passes)
+        self.inductor_config = inductor_settings(config, split_names, self.passes)
         # Inductor's partitions between the split ops, for a caller to wrap (CompiledModel.wrap_pieces).
         self.partitions = Partitions(monitor.counters) if config.splitting_mode == "inductor_partition" else None
         self.plan = ShapePlan(config.compile_ranges, config.compile_sizes, max_tokens)
@@ -174,9 +174,10 @@ class PiecewiseBackend:
                     c.pieces, c.unique_pieces, c.opaque_regions)
 
 
-def inductor_settings(splitting_mode: str, split_names: set[str], passes: PassManager) -> dict:
+def inductor_settings(config: CompilationConfig, split_names: set[str], passes: PassManager) -> dict:
     """Inductor config patched around every piece compile."""
-    settings: dict = {}
+    settings = config.inductor_settings()
+    splitting_mode = config.splitting_mode
     if passes:
         settings["post_grad_custom_post_pass"] = passes
     if splitting_mode == "inductor_partition":

@@ -248,6 +248,7 @@ class CompiledModel:
                 "partition_functions": c.splitting_mode == "inductor_partition",
                 "merge_consecutive_split_ops": c.merge_consecutive_split_ops,
                 "passes": self.backend.passes.uuid() if self.backend.passes else None,
+                "inductor_settings": c.inductor_settings(),
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
                 # The index too: generated code pins its device, so tensor-parallel ranks

@@ -41,6 +41,15 @@ CUDAGRAPH_MODES = {
     "FULL_AND_PIECEWISE": ("piecewise", "full"),
 }
 PHASE_GRAPH_MODES = ("full", "piecewise", "breakable", "none")
+
+# Inductor settings of kiln's piece compiles unless inductor_compile_config says otherwise.
+# A fused kernel keeps a bf16/fp16 op's result in fp32 for the next op where eager rounds it;
+# rounding as eager does makes compiled greedy tokens follow eager's (SmolLM2 in bf16 answered
+# "L'Étoile..." for "The capital of France is Paris." without it: a near-tie flipped).
+INDUCTOR_DEFAULTS = {"emulate_precision_casts": True}
+# Set by kiln from other fields; inductor_compile_config may not set them.
+INDUCTOR_KILN_OWNED = {"post_grad_custom_post_pass": "passes", "graph_partition": "splitting_mode",
+                       "custom_should_partition_ops": "splitting_mode"}
 PHASE_COMPILERS = ("inductor", "eager")
 
 
@@ -111,6 +120,9 @@ class CompilationConfig:
     # "nested_compile_region" or "kiln" (any torch).
     stamp_repeated_layers: bool = True
     stamp_mechanism: str = "auto"
+    # torch._inductor.config settings patched around kiln's Inductor compiles (mode 3), over
+    # INDUCTOR_DEFAULTS, e.g. {"emulate_precision_casts": false} (vLLM's name).
+    inductor_compile_config: dict = field(default_factory=dict)
 
     _CHOICES = {"backend": None, "piece_compiler": ("inductor", "eager"), "strategy": ("eager", "lazy"),
                 "dynamic_shapes_mark": ("backed", "unbacked"), "splitting_mode": SPLITTING_MODES,
@@ -143,6 +155,7 @@ class CompilationConfig:
                 raise ValueError(f"compilation {name} must be true or false, got {getattr(self, name)!r}")
         self._check_cudagraphs()
         self._check_passes()
+        self._check_inductor_settings()
         if self.mode == 2:
             import torch._dynamo
 
@@ -174,6 +187,30 @@ class CompilationConfig:
                              f"the same ops after the passes) or -cc.splitting_mode=none")
         if self.pass_dump_dir is not None and not isinstance(self.pass_dump_dir, str):
             raise ValueError(f"compilation pass_dump_dir must be a directory path, got {self.pass_dump_dir!r}")
+
+    def _check_inductor_settings(self) -> None:
+        settings = self.inductor_compile_config
+        if not isinstance(settings, dict):
+            raise ValueError(f"compilation inductor_compile_config must be a JSON object of torch._inductor.config "
+                             f"settings like {{\"emulate_precision_casts\": false}}, got {settings!r}")
+        if not settings:
+            return
+        import torch._inductor.config  # only here: most configs set nothing
+
+        for name, value in settings.items():
+            if name in INDUCTOR_KILN_OWNED:
+                raise ValueError(f"compilation inductor_compile_config sets {name!r}, which kiln sets from "
+                                 f"compilation {INDUCTOR_KILN_OWNED[name]}; use that setting instead")
+            if not hasattr(torch._inductor.config, name.split(".")[0]):
+                raise ValueError(f"compilation inductor_compile_config: {name!r} is not a torch._inductor.config "
+                                 f"setting of torch {torch.__version__}")
+            if not isinstance(value, (bool, int, float, str, type(None), list)):
+                raise ValueError(f"compilation inductor_compile_config[{name!r}] must be a JSON value, got {value!r}")
+
+    def inductor_settings(self) -> dict:
+        """The Inductor settings of kiln's piece compiles that this config chooses: the defaults,
+        then inductor_compile_config (the passes and partitioning are the compiler's to add)."""
+        return {**INDUCTOR_DEFAULTS, **self.inductor_compile_config}
 
     def _check_cudagraphs(self) -> None:
         if self.cudagraph_mode not in CUDAGRAPH_MODES:

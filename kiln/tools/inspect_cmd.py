@@ -141,7 +141,7 @@ def custom_ops_report(config: EngineConfig, enabled: frozenset[str]) -> dict:
     from kiln.ops import known_ops
 
     return {"enabled": sorted(enabled), "known": known_ops(), "requested": list(config.custom_ops),
-            "default_base": config.default_custom_ops_base}
+            "default": config.default_custom_ops}
 
 
 def pieces_report(program) -> dict:
@@ -303,9 +303,9 @@ def partitions_lines(partitions: dict | None, graphs: dict) -> list[str]:
 def custom_ops_line(ops: dict) -> str:
     enabled = ", ".join(ops["enabled"]) or "none"
     how = (f"--custom-ops {','.join(ops['requested'])}" if ops["requested"] else
-           f"default base '{ops['default_base']}'"
-           + (": Inductor fuses the native paths better" if ops["default_base"] == "none"
-              else ": without Inductor the kernels are the only fusion"))
+           f"default {','.join(ops['default'])}"
+           + (": without Inductor the kernels are the only fusion" if ops["default"] == ["all"]
+              else ": Inductor fuses the native paths better, the norms stay kernels to round as eager does"))
     return f"custom ops enabled: {enabled} (of {', '.join(ops['known'])}; {how})"
 
 
