@@ -41,16 +41,16 @@ CUDAGRAPH_MODES = {
     "FULL_AND_PIECEWISE": ("piecewise", "full"),
 }
 PHASE_GRAPH_MODES = ("full", "piecewise", "breakable", "none")
+PHASE_COMPILERS = ("inductor", "eager")
 
 # Inductor settings of kiln's piece compiles unless inductor_compile_config says otherwise.
 # A fused kernel keeps a bf16/fp16 op's result in fp32 for the next op where eager rounds it;
-# rounding as eager does makes compiled greedy tokens follow eager's (SmolLM2 in bf16 answered
-# "L'Étoile..." for "The capital of France is Paris." without it: a near-tie flipped).
+# rounding as eager does keeps compiled greedy tokens on eager's (without it 25 of 50 SmolLM2
+# bf16 chats stayed equal, benchmarks/greedy_agreement.py; with it 50).
 INDUCTOR_DEFAULTS = {"emulate_precision_casts": True}
 # Set by kiln from other fields; inductor_compile_config may not set them.
 INDUCTOR_KILN_OWNED = {"post_grad_custom_post_pass": "passes", "graph_partition": "splitting_mode",
                        "custom_should_partition_ops": "splitting_mode"}
-PHASE_COMPILERS = ("inductor", "eager")
 
 
 @dataclass(frozen=True)
