@@ -1,8 +1,10 @@
 """Engine throughput and memory (a benchmark, not a test): prints numbers, writes JSON.
 
 CPU:  python benchmarks/engine_throughput.py --out benchmarks/results
-      eager tokens/s for 16 prompts x 64 tokens on the embedded SmolLM2, and peak RSS of
-      `kiln generate` measured with /usr/bin/time -v.
+      eager tokens/s for 16 short plain prompts (a few words, no chat template) x 64 tokens on
+      the embedded SmolLM2, and peak RSS of `kiln generate` measured with /usr/bin/time -v.
+      The CPU serving figure to quote is benchmarks/cpu_peer.py's (16 chat prompts of ~35
+      tokens x 64, beside vLLM's CPU build); this one is kept for the generate's peak RSS.
 GPU:  python benchmarks/engine_throughput.py --device cuda --model llama-3-8b --out $OUT
       decode step time and tokens/s of a random bf16 Llama-3-8B at batch 1 and 64, eager
       and compiled side by side (no CUDA graphs yet).
