@@ -38,24 +38,32 @@ def run_python(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def engine_config(sizes: list[int] = ()) -> EngineConfig:
+    return EngineConfig(model="tiny-llama", device="cpu", max_num_batched_tokens=MAX_TOKENS,
+                        compilation={"mode": 3, "compile_sizes": list(sizes), "strategy": "eager"})
+
+
+# The kernel ops the engine builds this model with (they are part of the cache key).
+OPS = engine_config().resolved_custom_ops()
+
+
 def tiny(root: Path):
     """tiny-llama (random weights) and the compile cache the engine would give it, at `root`."""
     source = load_source("tiny-llama")
-    cache = compile_cache(source, torch.float32, frozenset())
+    cache = compile_cache(source, torch.float32, OPS)
     cache.root = CacheRoot(Path(root))
-    return build_model(source.config, torch.float32, torch.device("cpu"), frozenset(), None), cache
+    return build_model(source.config, torch.float32, torch.device("cpu"), OPS, None), cache
 
 
 def start(root: Path, sizes: list[int] = (), preload: bool = False):
     """tiny-llama compiled (or loaded) with the engine's own start-up path."""
-    config = EngineConfig(model="tiny-llama", device="cpu", max_num_batched_tokens=MAX_TOKENS,
-                          compilation={"mode": 3, "compile_sizes": list(sizes), "strategy": "eager"})
+    config = engine_config(sizes)
     if preload:  # as ModelRunner: before the model is built
         source = load_source("tiny-llama")
-        cache = compile_cache(source, torch.float32, frozenset())
+        cache = compile_cache(source, torch.float32, OPS)
         cache.root = CacheRoot(Path(root))
         preload_if_warm(config.compilation_config, cache, torch.device("cpu"))
-        model = build_model(source.config, torch.float32, torch.device("cpu"), frozenset(), None)
+        model = build_model(source.config, torch.float32, torch.device("cpu"), OPS, None)
     else:
         model, cache = tiny(root)
     timeline = StartupTimeline()
