@@ -26,7 +26,8 @@ def test_compiled_engine_tokens_equal_eager_engine(llm):
 def test_compiled_bf16_greedy_tokens_equal_eager_bf16():
     """#20's chat prompt alone, whose first token is a near-tie in bf16 ("The" 0.125 ahead of
     "L"), then a batch of chats: -O2 as it comes must round like eager. (With Inductor's own
-    norm fusion it answered "L'Étoile, ..." and parted from eager on 22 of 50 chats.)"""
+    norm fusion `kiln generate -O2` answered "L'Étoile, ...", -O2 parted from eager on 22 of
+    50 chats, and here on "How does a compass work?".)"""
     chats = [[{"role": "user", "content": q}] for q in (
         "What is the capital of France?", "Why is the sky blue?", "Write a haiku about autumn.",
         "How do plants make food?", "Tell me a fun fact about octopuses.", "Explain gravity to a child.",
