@@ -48,7 +48,6 @@ def _status_kb(field: str) -> int:
 
 
 def kiln_worker(job: dict) -> dict:
-    sys.path.insert(0, str(REPO))
     from kiln import LLM, SamplingParams
 
     engine_args = {"max_num_batched_tokens": job["max_num_batched_tokens"]} if job.get("max_num_batched_tokens") else {}
@@ -103,7 +102,6 @@ def run_workload(job: dict, generate) -> dict:
 # ------------------------------------------------------------------ the parent
 
 def write_prompts(path: Path, long_tokens: int) -> None:
-    sys.path.insert(0, str(REPO))
     from benchmarks.greedy_agreement import PROMPTS
     from kiln.loader import load_source
 
@@ -120,7 +118,6 @@ def write_hf_folder(folder: Path) -> None:
     import transformers
     from safetensors.torch import save_file
 
-    sys.path.insert(0, str(REPO))
     from kiln.loader import embedded_gguf_path
 
     gguf = embedded_gguf_path()
@@ -160,6 +157,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
+    sys.path.insert(0, str(REPO))  # kiln and benchmarks/, for this process and kiln's workers alike
     if args.worker:
         job = json.loads(args.worker)
         result = (vllm_worker if job["engine"] == "vllm" else kiln_worker)(job)
