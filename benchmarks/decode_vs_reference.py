@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # name -> LLM arguments; O2+gemv: -O2 keeping kiln's GEMV for the linears of 1-64 rows (-O2 alone gives
 # every linear to Inductor, which calls cuBLAS).
 MODES = {"default": dict, "O2": lambda: dict(compilation=CompilationConfig.level(2)),
-         "O2+gemv": lambda: dict(compilation=CompilationConfig.level(2), custom_ops=["none", "+skinny_linear"])}
+         "O2+gemv": lambda: dict(compilation=CompilationConfig.level(2), custom_ops=["none", "+rms_norm", "+fused_add_rms_norm", "+skinny_linear"])}
 
 
 def sync(device: str) -> None:

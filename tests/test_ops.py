@@ -150,12 +150,15 @@ def test_skinny_linear_is_on_by_default_on_cuda_only(monkeypatch):
     assert "skinny_linear" in EngineConfig(model="tiny-llama", device="cuda").resolved_custom_ops()
 
 
-def test_inductor_compiles_take_the_norm_kernels_by_default():
-    # Inductor's fused norm sums a row in another order than the kernel (eager's path), which
-    # flips bf16 roundings and then greedy tokens; the other ops are Inductor's to fuse.
+def test_inductor_compiles_take_the_norm_and_gemv_kernels_by_default():
+    # Inductor's fused norm and cuBLAS sum a row in another order than the kernels (eager's
+    # path), which flips bf16 roundings and then greedy tokens; the other ops are Inductor's to
+    # fuse. The GEMV has only a CUDA kernel, so a CPU engine drops it.
     from kiln.compile.config import CompilationConfig
-    from kiln.config import EngineConfig
+    from kiln.config import EngineConfig, default_custom_ops
 
+    assert resolve_custom_ops(default_custom_ops(CompilationConfig.level(2)), "none") == {
+        "rms_norm", "fused_add_rms_norm", "skinny_linear"}
     compiled = EngineConfig(model="tiny-llama", device="cpu", compilation=CompilationConfig.level(2))
     assert compiled.resolved_custom_ops() == {"rms_norm", "fused_add_rms_norm"}
     eager = EngineConfig(model="tiny-llama", device="cpu", compilation=CompilationConfig.level(0))

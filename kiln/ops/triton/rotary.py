@@ -6,8 +6,8 @@ half = rotary_dim // 2:
     half <= d < rotary_dim: x[d] * cos[d - half] + x[d - half] * sin[d - half]
     rotary_dim <= d:        x[d]  (passes through)
 so each column is x * cos + sign * partner * sin, which the kernel computes in one tile.
-cos and sin are rounded to the dtype of q first, as `rotary_native` does; the rest is
-fp32, rounded once (the native path rounds after every op: results may differ by ~1 ulp).
+cos and sin are rounded to the dtype of q first, and each product and the sum after it, as
+`rotary_native`'s ops round: in bf16 and fp16 the two agree bit for bit.
 The same launch can write the rotated k and v into the paged KV cache (kiln::rotary_kv_cache_write).
 """
 

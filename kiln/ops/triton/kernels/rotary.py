@@ -13,7 +13,12 @@ def _rotate_heads(x_ptr, out_ptr, token, x_token_stride, num_heads, cos, sin, pa
     head_ptrs = x_ptr + token * x_token_stride + heads * HEAD_DIM
     x = tl.load(head_ptrs + cols, mask=mask, other=0.0).to(tl.float32)
     partner = tl.load(head_ptrs + partner_cols, mask=mask, other=0.0).to(tl.float32)
-    out = (x * cos + sign * partner * sin).to(out_ptr.dtype.element_ty)
+    # Each product rounded, then the sum, as rotary_native's ops round: a compiled model (whose
+    # Inductor rotation emulates those casts) and this kernel then agree bit for bit.
+    dtype = out_ptr.dtype.element_ty
+    x_cos = (x * cos).to(dtype).to(tl.float32)
+    partner_sin = (partner * sin).to(dtype).to(tl.float32)
+    out = (x_cos + sign * partner_sin).to(dtype)
     out_ptrs = out_ptr + token * num_heads * HEAD_DIM + heads * HEAD_DIM + cols
     tl.store(out_ptrs, out, mask=mask)
     return out, heads, cols, mask
