@@ -1,6 +1,7 @@
 """Every model family's preset on the GPU (#15's must-show): the bf16 decode step at batch 1 and
 64 in the default mode beside its floor, and greedy tokens of the compiled mode (-O2) and of the
-default mode (CUDA graphs) against eager (-O0) on the same random weights.
+default mode (CUDA graphs) against eager (-O0, no graphs) and of -O2 against the default mode, on
+the same random weights.
 
     python benchmarks/families.py --out $OUT                          (the H200, about 5 minutes)
     OMP_NUM_THREADS=1 python benchmarks/families.py --device cpu --presets tiny-llama --batches 1 4 \
@@ -56,14 +57,20 @@ def logprob_diff(a: list[dict], b: list[dict]) -> float:
     return max(abs(x[t].logprob - y[t].logprob) for x, y in zip(a, b) for t in x.keys() & y.keys())
 
 
-def greedy_tokens(preset: str, args, level: int) -> tuple[tuple[list[list[int]], list[dict]], float]:
-    """greedy() of an engine at -O<level>, and its start-up seconds."""
+# The token checks' engines, alike but for the mode. A decode graph's attention splits each context
+# into as many ranges as max_model_len and the batch call for, eager's as the context's length
+# does: in bf16 the merge of the ranges rounds differently (Gemma 2's wide heads split from 64 keys).
+TOKEN_ENGINES = {"eager": 0, "default": None, "O2": 2}  # name -> compilation_config (None: the default mode)
+
+
+def greedy_tokens(preset: str, args, mode: str) -> tuple[tuple[list[list[int]], list[dict]], float]:
+    """greedy() of an engine in a TOKEN_ENGINES mode, and its start-up seconds."""
     if args.device == "cuda":  # what the engines before this one left (Mixtral's check ran out of memory here)
-        print(f"{preset:12s} -O{level} engine: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated before "
+        print(f"{preset:12s} {mode} engine: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated before "
               f"its start", flush=True)
     start = time.perf_counter()
     llm = LLM(preset, device=args.device, dtype=args.dtype, max_num_seqs=8, max_model_len=256, num_kv_blocks=128,
-              compilation_config=level)
+              compilation_config=TOKEN_ENGINES[mode])
     startup = time.perf_counter() - start
     tokens = greedy(llm, args)
     llm.shutdown()
@@ -91,21 +98,22 @@ def run_preset(preset: str, args, rates: tuple[float, float], out: dict) -> None
         out["points"].append(point)
         print(f"{preset:12s} b{batch:<4d} engine step {point['engine_step_ms']:6.2f} ms, floor "
               f"{point['floor_ms']:6.2f} ms ({point['vs_floor']:.2f}x)", flush=True)
-    default = greedy(llm, args)
     llm.shutdown()
     del llm
     release_memory(args.device)
-    eager, out["eager_startup_s"] = greedy_tokens(preset, args, 0)
-    compiled, out["O2_startup_s"] = greedy_tokens(preset, args, 2)
-    out["default_tokens_equal_eager"] = default[0] == eager[0]
-    out["O2_tokens_equal_eager"] = compiled[0] == eager[0]
-    out["O2_requests_equal_eager"] = sum(a == b for a, b in zip(compiled[0], eager[0])) / len(eager[0])
-    out["default_first_logprob_max_diff"] = logprob_diff(default[1], eager[1])
-    out["O2_first_logprob_max_diff"] = logprob_diff(compiled[1], eager[1])
-    print(f"{preset:12s} tokens against eager: default {'equal' if out['default_tokens_equal_eager'] else 'DIFFER'}, "
-          f"-O2 {'equal' if out['O2_tokens_equal_eager'] else 'DIFFER'} "
-          f"({out['O2_requests_equal_eager']:.0%} of requests; "
-          f"first-token log probabilities within {out['O2_first_logprob_max_diff']:.2e})", flush=True)
+    tokens = {}
+    for mode in TOKEN_ENGINES:
+        tokens[mode], out[f"{mode}_startup_s"] = greedy_tokens(preset, args, mode)
+    # -O2 against the default mode isolates the compiler: both decode in graphs.
+    for mode, base in (("default", "eager"), ("O2", "eager"), ("O2", "default")):
+        ours, theirs = tokens[mode], tokens[base]
+        out[f"{mode}_tokens_equal_{base}"] = ours[0] == theirs[0]
+        out[f"{mode}_requests_equal_{base}"] = sum(a == b for a, b in zip(ours[0], theirs[0])) / len(theirs[0])
+        out[f"{mode}_first_logprob_max_diff_{base}"] = logprob_diff(ours[1], theirs[1])
+        print(f"{preset:12s} tokens of {mode} against {base}: "
+              f"{'equal' if out[f'{mode}_tokens_equal_{base}'] else 'DIFFER'} "
+              f"({out[f'{mode}_requests_equal_{base}']:.0%} of requests; first-token log probabilities within "
+              f"{out[f'{mode}_first_logprob_max_diff_{base}']:.2e})", flush=True)
 
 
 def main() -> None:
@@ -139,7 +147,8 @@ def main() -> None:
         for point in r.get("points", []):
             print(f"{r['preset']:12s} {point['batch']:>5d} {point['engine_step_ms']:>8.2f} {point['floor_ms']:>8.2f} "
                   f"{point['vs_floor']:>7.2f}x {point.get('floor_ratio_vs_llama', float('nan')):>7.2f}x  "
-                  f"default {r.get('default_tokens_equal_eager')}, O2 {r.get('O2_tokens_equal_eager')}")
+                  f"default {r.get('default_tokens_equal_eager')}, O2 {r.get('O2_tokens_equal_eager')}, "
+                  f"O2=default {r.get('O2_tokens_equal_default')}")
     print(f"wrote {Path(args.out) / f'families_{args.device}.json'}")
 
 

@@ -3,7 +3,8 @@
     python benchmarks/gpu_kernels.py [OUT_DIR]      (default: $OUT, else benchmarks/results)
 
 Writes OUT_DIR/kernels.json and prints a short table. Checks: norm (and Gemma's unit-offset
-norms), silu-and-mul and gelu-tanh-and-mul, rope (alone and writing the KV cache), the logits'
+norms), silu-and-mul and gelu-tanh-and-mul, rope (alone and writing the KV cache; these three
+bitwise in bf16, against the native path eager and as Inductor compiles it), the logits'
 argmax in bf16 and fp32, the mixture-of-experts op at Qwen3-MoE's and Mixtral's shapes; the KV
 write (exact); paged attention in bf16 against an fp32 reference on the same inputs, swept over
 cache block sizes, GQA ratios, head dims and context lengths in decode, prefill and mixed
@@ -25,6 +26,7 @@ import torch
 import triton
 import triton.testing
 
+from kiln.compile.config import INDUCTOR_DEFAULTS
 from kiln.forward_context import AttentionMetadata
 from kiln.ops.activation import gelu_tanh_and_mul_native, silu_and_mul_native
 from kiln.ops.moe import fused_moe_reference, route
@@ -49,6 +51,12 @@ SOFTCAP = 0.5  # low enough to bite on these random scores (Gemma 2's own 50 wou
 # Pass marks (bf16 inputs, fp32 reference): attention rounds probabilities to bf16 for P @ V.
 ATTENTION_MAX_REL_ERR = 1e-2
 EXACT = ("argmax", "rotary_kv_write.cache")  # checks that must match bit for bit
+# In bf16 these must too: eager runs the kernel, a compiled model Inductor's code for the native
+# path (rounding as eager's torch ops do), and one ulp between the two flips random-weight
+# models' greedy tokens (benchmarks/families.py).
+EXACT_BF16 = ("silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding.q", "rotary_embedding.k",
+              "silu_and_mul.inductor", "gelu_tanh_and_mul.inductor", "rotary_embedding.inductor.q",
+              "rotary_embedding.inductor.k")
 ELEMENTWISE_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}  # max |err| / max(1, |ref|), per element
 # fused_moe sums up to 14,336 products per output in another order than cuBLAS: judged by rel_err (norms)
 # (the H200 gave 3.3e-4 in bf16 and 2.7e-6 in fp32 at Mixtral's shape, where the per-element mark failed).
@@ -64,6 +72,11 @@ def errors(actual: torch.Tensor, expected: torch.Tensor) -> dict:
 
 
 # ---------------------------------------------------------------------------- elementwise kernels
+
+
+def inductor(fn):
+    """fn compiled with the Inductor settings kiln gives its pieces."""
+    return torch.compile(fn, options=INDUCTOR_DEFAULTS)
 
 
 def check_elementwise() -> list[dict]:
@@ -86,6 +99,8 @@ def check_elementwise() -> list[dict]:
         gate_up = rand(300, 2 * 14336, dtype=dtype) * 3
         cases["silu_and_mul"] = (silu_and_mul(gate_up), silu_and_mul_native(gate_up))
         cases["gelu_tanh_and_mul"] = (gelu_tanh_and_mul(gate_up), gelu_tanh_and_mul_native(gate_up))
+        cases["silu_and_mul.inductor"] = (silu_and_mul(gate_up), inductor(silu_and_mul_native)(gate_up))
+        cases["gelu_tanh_and_mul.inductor"] = (gelu_tanh_and_mul(gate_up), inductor(gelu_tanh_and_mul_native)(gate_up))
         # Qwen3-30B-A3B's experts (128, top 8) at decode and prefill sizes, Mixtral's (8, top 2) at 64.
         for tokens, experts, top_k, hidden, inter in ((1, 128, 8, 2048, 768), (64, 128, 8, 2048, 768),
                                                       (300, 128, 8, 2048, 768), (64, 8, 2, 4096, 14336)):
@@ -103,6 +118,8 @@ def check_elementwise() -> list[dict]:
         q_out, k_out = rotary_embedding(positions, q, k, cache, 128)
         q_ref, k_ref = rotary_native(positions, q, k, cache, 128)
         cases["rotary_embedding.q"], cases["rotary_embedding.k"] = (q_out, q_ref), (k_out, k_ref)
+        q_ref, k_ref = inductor(rotary_native)(positions, q, k, cache, 128)
+        cases["rotary_embedding.inductor.q"], cases["rotary_embedding.inductor.k"] = (q_out, q_ref), (k_out, k_ref)
         # The rotation with the KV write in the same launch: the cache must be what write_kv leaves.
         v = qkv[:, 40 * 128:]
         fused_cache = rand(2, 64, 16, 8, 128, dtype=dtype)
@@ -117,7 +134,7 @@ def check_elementwise() -> list[dict]:
         for name, (actual, expected) in cases.items():
             scaled = ((actual.float() - expected.float()).abs() / expected.float().abs().clamp_min(1)).max().item()
             err = errors(actual, expected)
-            if name in EXACT:
+            if name in EXACT or (dtype == torch.bfloat16 and name in EXACT_BF16):
                 ok = torch.equal(actual, expected)
             elif name.startswith("fused_moe"):
                 ok = err["rel_err"] <= MOE_TOL[dtype]
