@@ -13,8 +13,8 @@ prewarm` or an install does). Without --vllm-python (or vllm importable here), o
 kiln runs.
 
 Also, kiln only: one ~8k-token prompt prefilled (--long-prompt tokens, a single output token)
-with the default chunking and with --max-num-batched-tokens 8192, its time and the peak
-resident memory above the ready engine's.
+in each dtype, with the default chunking and with --max-num-batched-tokens 8192, its time and
+the peak resident memory above the ready engine's.
 """
 
 from __future__ import annotations
@@ -207,12 +207,13 @@ def main() -> None:
                           f"{r['single_tok_s']:5.1f} tok/s", flush=True)
     long = []
     if args.long_prompt:
-        for chunk in (None, 8192):
-            job = {"engine": "kiln", "mode": "eager", "dtype": "float32", "prompts": str(prompts),
+        for dtype, chunk in ((d, c) for d in args.dtypes for c in (None, 8192)):
+            job = {"engine": "kiln", "mode": "eager", "dtype": dtype, "prompts": str(prompts),
                    "long_prompt": True, "max_num_batched_tokens": chunk, "max_model_len": 8192, "cwd": str(work)}
-            r = {**spawn(sys.executable, job, env, args.timeout), "max_num_batched_tokens": chunk or "default"}
+            r = {**spawn(sys.executable, job, env, args.timeout), "dtype": dtype,
+                 "max_num_batched_tokens": chunk or "default"}
             long.append(r)
-            print(f"kiln long prompt ({args.long_prompt} tokens, max_num_batched_tokens {chunk or 'default'}): "
+            print(f"kiln long prompt ({args.long_prompt} tokens, {dtype}, max_num_batched_tokens {chunk or 'default'}): "
                   + (r["error"] if "error" in r else
                      f"{r['prefill_s']:.1f} s, peak RSS +{r['peak_rss_above_ready_mb']:.0f} MB"), flush=True)
     report = {"runs": results, "long_prompt": long, "summary": summarize(results, args.dtypes),

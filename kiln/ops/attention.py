@@ -20,12 +20,13 @@ import torch
 from torch import nn
 
 from kiln.compile.split import split_op
-from kiln.forward_context import get_forward_context
+from kiln.forward_context import AttentionMetadata, get_forward_context
 from kiln.ops.attention_reference import (
     causal_attention_reference,
     paged_attention_reference,
     write_kv_reference,
 )
+from kiln.ops.cpu import prefill_attention
 from kiln.ops.cpu.extension import kernel as cpu_kernel
 from kiln.ops.rotary import rotary_native
 
@@ -109,7 +110,45 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_wr
 
 def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, meta, scale: float,
                         window: int, softcap: float) -> None:
-    """The built C++ kernel (kiln.ops.cpu: one call for the step's sequences), else the reference."""
+    """Prefill chunks through torch's flash attention (kiln.ops.cpu.prefill_attention; SDPA has
+    no soft-capping, so not Gemma 2's); the other sequences through the built C++ kernel
+    (kiln.ops.cpu: one call for them all), else the reference."""
+    starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    rest = []
+    for i, length in enumerate(lens):
+        s, e = starts[i], starts[i + 1]
+        if e - s >= prefill_attention.MIN_QUERIES and softcap == 0.0:
+            out[s:e] = prefill_attention.prefill_attention(query[s:e], kv_cache, meta.block_tables[i], length,
+                                                           scale, window)
+        elif e > s:
+            rest.append(i)
+    if len(rest) < len(lens):
+        if not rest:
+            return
+        rows, sub_meta = _sub_step(meta, rest)
+        sub_out = query.new_empty(rows.shape[0], *query.shape[1:])
+        _paged_attention_kernel(query[rows], kv_cache, sub_out, sub_meta, scale, window, softcap)
+        out[rows] = sub_out
+        return
+    _paged_attention_kernel(query, kv_cache, out, meta, scale, window, softcap)
+
+
+def _sub_step(meta, seqs: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+    """The query rows of sequences `seqs` and their metadata as a step of their own."""
+    starts, lens = meta.query_start_loc_cpu, [meta.seq_lens_cpu[i] for i in seqs]
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
+    sub_starts = [0]
+    for i in seqs:
+        sub_starts.append(sub_starts[-1] + starts[i + 1] - starts[i])
+    return rows, AttentionMetadata(
+        slot_mapping=meta.slot_mapping[rows], block_tables=meta.block_tables[seqs],
+        seq_lens=torch.tensor(lens, dtype=torch.int32), query_start_loc=torch.tensor(sub_starts, dtype=torch.int32),
+        max_query_len=max(b - a for a, b in zip(sub_starts, sub_starts[1:])), max_seq_len=max(lens),
+        num_actual_tokens=sub_starts[-1], seq_lens_cpu=lens, query_start_loc_cpu=sub_starts)
+
+
+def _paged_attention_kernel(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, meta, scale: float,
+                            window: int, softcap: float) -> None:
     kernel = cpu_kernel()
     if kernel is None:
         paged_attention_reference(query, kv_cache, out, meta, scale, window, softcap)
