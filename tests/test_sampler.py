@@ -1,5 +1,6 @@
 """The sampler's rules on hand-made logits."""
 
+import pytest
 import torch
 
 from kiln.engine.sampler import sample
@@ -34,3 +35,18 @@ def test_seeded_rows_repeat():
     a = sample(logits, params, [torch.Generator().manual_seed(5) for _ in range(3)])
     b = sample(logits, params, [torch.Generator().manual_seed(5) for _ in range(3)])
     assert a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_torchs_argmax(dtype):
+    """The first index of a row's maximum, as argmax has it: ties, NaN, -inf rows, the last column."""
+    from kiln.engine.sampler import greedy_tokens
+
+    x = torch.randn(6, 5000).to(dtype)
+    x[1] = 0.5
+    x[2, [100, 4000]] = 100
+    x[3, [7, 9]] = float("nan")
+    x[4] = float("-inf")
+    x[5, 4999] = 100
+    assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
+    assert greedy_tokens(x).tolist()[1:] == [0, 100, 7, 0, 4999]

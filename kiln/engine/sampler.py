@@ -142,7 +142,9 @@ def _penalise(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
 def greedy_tokens(x: torch.Tensor) -> torch.Tensor:
     """Each row's first index of its largest value: torch's argmax, in one Triton launch on CUDA."""
     if x.device.type != "cuda":
-        return x.argmax(dim=-1)
+        # max's indices are argmax's (the first maximum; a NaN wins), and on the CPU max is
+        # vectorised: 16 x 49152 bf16 logits 285 us against 1,333 (2 threads).
+        return x.max(dim=-1).indices
     from kiln.ops.triton.argmax import argmax
 
     return argmax(x)
