@@ -1,5 +1,5 @@
-"""kiln's CPU attention against the Python reference, side by side in one process: "kiln" (prefill
-chunks through torch's flash attention, the rest through the C++ kernel, as an engine runs it),
+"""kiln's CPU attention against the Python reference, side by side in one process: "kiln" (prompt
+chunks and decode batches through torch's SDPA, the rest through the C++ kernel, as an engine runs it),
 "kernel" (the C++ kernel for every row) and "reference" (the Python reference for every row).
 
     python benchmarks/cpu_attention.py --out benchmarks/results
@@ -28,16 +28,17 @@ from kiln import LLM, SamplingParams
 from kiln.forward_context import AttentionMetadata
 from kiln.ops import attention as attention_module
 from kiln.ops.attention import paged_attention_cpu
-from kiln.ops.cpu import extension, prefill_attention
+from kiln.ops.cpu import extension, sdpa_attention
 
 HQ, HKV, D, BLOCK = 9, 3, 64, 16
-# arm -> (the C++ kernel's loader, the fewest queries a sequence sends to flash attention)
-ARMS = {"kiln": (extension.kernel, prefill_attention.MIN_QUERIES), "kernel": (extension.kernel, 1 << 62),
-        "reference": (lambda: None, 1 << 62)}
+NEVER = 1 << 62
+# arm -> (the C++ kernel's loader, the fewest queries of a chunk and the fewest decode rows SDPA takes)
+ARMS = {"kiln": (extension.kernel, sdpa_attention.MIN_QUERIES, sdpa_attention.MIN_DECODE_ROWS),
+        "kernel": (extension.kernel, NEVER, NEVER), "reference": (lambda: None, NEVER, NEVER)}
 
 
 def use(arm: str) -> None:
-    attention_module.cpu_kernel, prefill_attention.MIN_QUERIES = ARMS[arm]
+    attention_module.cpu_kernel, sdpa_attention.MIN_QUERIES, sdpa_attention.MIN_DECODE_ROWS = ARMS[arm]
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain recursion to a child.",
            "List three prime numbers.", "Who wrote Hamlet?", "Describe a sunset in one sentence.",
            "What is 12 times 13?", "Name a famous painter.", "How do plants make food?", "Tell me a joke.",

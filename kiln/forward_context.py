@@ -33,6 +33,9 @@ class AttentionMetadata:
     # Host copies, so CPU code paths never wait on the device.
     seq_lens_cpu: list[int] = field(default_factory=list)
     query_start_loc_cpu: list[int] = field(default_factory=list)
+    # What the CPU attention derives from the step (which rows go where, masks) once, for every
+    # layer to reuse: kiln.ops.attention.paged_attention_cpu.
+    cpu_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -1,5 +1,5 @@
-"""The CPU paged attention (kiln/ops/cpu: the C++ kernel, and torch's flash attention for prefill
-chunks) against the Python reference: one call for a step's decode rows and prefill chunks, GQA,
+"""The CPU paged attention (kiln/ops/cpu: the C++ kernel, and torch's SDPA for prompt chunks and
+decode batches) against the Python reference: one call for a step's decode rows and prefill chunks, GQA,
 windows, soft-capping, fp32 and bf16; an engine on it gives the reference's tokens; a start
 without a build runs the reference and builds nothing."""
 
@@ -54,22 +54,28 @@ def test_kernel_matches_the_reference(built, dtype, window, softcap, hq, hkv, d,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 10])
-def test_prefill_chunks_take_torchs_flash_attention(dtype, window, monkeypatch):
+@pytest.mark.parametrize("seq_lens, query_lens, decode_rows", [
+    ([23, 1, 70, 41, 2, 300], [23, 1, 9, 1, 2, 70], None),  # 2 decode rows: the kernel's
+    ([23, 1, 70, 41, 2, 300, 17, 33], [23, 1, 9, 1, 2, 70, 1, 1], 4)])
+def test_sdpa_takes_prompt_chunks_and_decode_batches(dtype, window, seq_lens, query_lens, decode_rows, monkeypatch):
     """Sequences with 8 or more queries in the step go to prefill_attention (window 10 leaves the
-    first 221 keys of the 300-token context unread, 13 of them inside a block), the others to the
-    kernel or, unbuilt, the reference: every row as the reference has it."""
-    from kiln.ops.cpu import prefill_attention
+    first 221 keys of the 300-token context unread, 13 of them inside a block), 4 or more decode
+    rows whose longest context is long enough (here: 41 tokens, the floor lowered) together to
+    decode_attention, the others to the kernel or, unbuilt, the reference:
+    every row as the reference has it."""
+    from kiln.ops.cpu import sdpa_attention
 
-    calls = []
-    real = prefill_attention.prefill_attention
-    monkeypatch.setattr(prefill_attention, "prefill_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
-    seq_lens, query_lens = [23, 1, 70, 41, 2, 300], [23, 1, 9, 1, 2, 70]
+    chunks, decodes = [], []
+    prefill, decode = sdpa_attention.prefill_attention, sdpa_attention.decode_attention
+    monkeypatch.setattr(sdpa_attention, "prefill_attention", lambda q, *a: chunks.append(q.shape[0]) or prefill(q, *a))
+    monkeypatch.setattr(sdpa_attention, "decode_attention", lambda q, *a: decodes.append(q.shape[0]) or decode(q, *a))
+    monkeypatch.setattr(sdpa_attention, "MIN_DECODE_CONTEXT", 32)  # contexts here are short
     query, cache, meta = _case(4, seq_lens, query_lens, 8, 2, 64, 16, dtype)
     theirs = torch.full_like(query, float("nan"))
     paged_attention_reference(query, cache, theirs, meta, 0.125, window, 0.0)
     ours = torch.full_like(query, float("nan"))
     paged_attention_cpu(query, cache, ours, meta, 0.125, window, 0.0)
-    assert calls == [23, 9, 70]
+    assert chunks == [23, 9, 70] and decodes == ([decode_rows] if decode_rows else [])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=tol, atol=tol)
 

@@ -16,6 +16,8 @@ rotated q and k with its (empty) result; one launch fewer per layer than rotary 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -26,7 +28,7 @@ from kiln.ops.attention_reference import (
     paged_attention_reference,
     write_kv_reference,
 )
-from kiln.ops.cpu import prefill_attention
+from kiln.ops.cpu import sdpa_attention
 from kiln.ops.cpu.extension import kernel as cpu_kernel
 from kiln.ops.rotary import rotary_native
 
@@ -108,29 +110,62 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_wr
         paged_attention_cpu(query, kv_cache, out, meta, scale, window, softcap)
 
 
-def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, meta, scale: float,
-                        window: int, softcap: float) -> None:
-    """Prefill chunks through torch's flash attention (kiln.ops.cpu.prefill_attention; SDPA has
-    no soft-capping, so not Gemma 2's); the other sequences through the built C++ kernel
-    (kiln.ops.cpu: one call for them all), else the reference."""
+@dataclass
+class _CpuPlan:
+    """Where a step's rows go on the CPU (paged_attention_cpu), the same for each of its layers."""
+
+    chunks: list[tuple[int, int, int]]  # (sequence, first row, end row) for prefill_attention
+    decode: tuple | None  # (rows, decode_inputs()) for decode_attention
+    kernel_rows: torch.Tensor | None  # the C++ kernel's rows, with their metadata as a step of their own
+    kernel_meta: AttentionMetadata | None
+    kernel_all: bool  # the kernel takes every row: no packing
+
+
+def _cpu_plan(meta, kv_cache: torch.Tensor, window: int, softcap: float) -> _CpuPlan:
     starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    rest = []
-    for i, length in enumerate(lens):
+    sdpa = softcap == 0.0  # SDPA has no soft-capping (Gemma 2)
+    chunks, decode, rest = [], [], []
+    for i in range(len(lens)):
         s, e = starts[i], starts[i + 1]
-        if e - s >= prefill_attention.MIN_QUERIES and softcap == 0.0:
-            out[s:e] = prefill_attention.prefill_attention(query[s:e], kv_cache, meta.block_tables[i], length,
-                                                           scale, window)
+        if sdpa and e - s >= sdpa_attention.MIN_QUERIES:
+            chunks.append((i, s, e))
+        elif e - s == 1:
+            decode.append(i)
         elif e > s:
             rest.append(i)
-    if len(rest) < len(lens):
-        if not rest:
-            return
-        rows, sub_meta = _sub_step(meta, rest)
-        sub_out = query.new_empty(rows.shape[0], *query.shape[1:])
-        _paged_attention_kernel(query[rows], kv_cache, sub_out, sub_meta, scale, window, softcap)
-        out[rows] = sub_out
-        return
-    _paged_attention_kernel(query, kv_cache, out, meta, scale, window, softcap)
+    decode_plan = None
+    if decode and sdpa and sdpa_attention.decode_fits(len(decode), max(lens[i] for i in decode), kv_cache):
+        first_rows = [starts[i] for i in decode]
+        rows = slice(0, len(decode)) if first_rows == list(range(len(decode))) else torch.tensor(first_rows)
+        decode_plan = (rows, sdpa_attention.decode_inputs(meta.block_tables[decode], [lens[i] for i in decode],
+                                                          kv_cache.shape[2], window))
+    else:
+        rest = sorted(rest + decode)
+    if len(rest) == len(lens) or not rest:
+        return _CpuPlan(chunks, decode_plan, None, None, len(rest) == len(lens))
+    return _CpuPlan(chunks, decode_plan, *_sub_step(meta, rest), False)
+
+
+def paged_attention_cpu(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, meta, scale: float,
+                        window: int, softcap: float) -> None:
+    """Through torch's SDPA where it is the quicker (kiln.ops.cpu.sdpa_attention): each prompt
+    chunk on its own, a step's decode rows in one padded call; the other sequences through the
+    built C++ kernel (one call for them all), else the reference."""
+    plan = meta.cpu_plans.get((window, softcap))
+    if plan is None:
+        plan = meta.cpu_plans[(window, softcap)] = _cpu_plan(meta, kv_cache, window, softcap)
+    for i, s, e in plan.chunks:
+        out[s:e] = sdpa_attention.prefill_attention(query[s:e], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i],
+                                                    scale, window)
+    if plan.decode is not None:
+        rows, (blocks, mask) = plan.decode
+        out[rows] = sdpa_attention.decode_attention(query[rows], kv_cache, blocks, mask, scale)
+    if plan.kernel_all:
+        _paged_attention_kernel(query, kv_cache, out, meta, scale, window, softcap)
+    elif plan.kernel_rows is not None:
+        sub_out = query.new_empty(plan.kernel_rows.shape[0], *query.shape[1:])
+        _paged_attention_kernel(query[plan.kernel_rows], kv_cache, sub_out, plan.kernel_meta, scale, window, softcap)
+        out[plan.kernel_rows] = sub_out
 
 
 def _sub_step(meta, seqs: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
