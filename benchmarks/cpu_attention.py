@@ -69,6 +69,7 @@ def op_case(name: str, seq_lens: list[int], query_lens: list[int], repeats: int)
     times = {}
     for arm in ARMS:
         use(arm)
+        meta.cpu_plans.clear()  # the step's routing, planned by the arm before
         out = torch.empty_like(query)
         paged_attention_cpu(query, cache, out, meta, D**-0.5, 0, 0.0)
         start = time.perf_counter()

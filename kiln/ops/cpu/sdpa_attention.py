@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-# A sequence with at least this many queries in a step takes prefill_attention.
-MIN_QUERIES = 8
+# A sequence with at least this many queries in a step takes prefill_attention. Alone, SDPA wins
+# from 8 queries (above), but the kernel serves a step's short prompts in one call: with 8, 16
+# chats of ~35 tokens ran 2% slower in the engine (fp32, benchmarks/cpu_attention.py).
+MIN_QUERIES = 64
 # decode_attention takes a step's decode rows when there are this many (below, the C++ kernel's
 # one call is quicker), the longest context has this many tokens, and their padded K and V fit in
 # this many bytes. Contexts of ~100 tokens came out even in the engine (bf16 SmolLM2 -O2, 16 x 64
