@@ -4,9 +4,9 @@
     OMP_NUM_THREADS=1 python benchmarks/decode_vs_reference.py --device cpu --model tiny-llama \
         --batches 1 4 --reference-args --layers 2 --hidden 256                 (a smoke run)
 
-Per kiln mode (`default`: the eager forward with full decode graphs; `O2`: piecewise Inductor;
-`O2+gemv`: the same with kiln's GEMV kept for small batches)
-and batch size, `batch` sequences of `context` random tokens are prefilled, then decoded:
+Per kiln mode (`default`: the eager forward with full decode graphs; `O2`: piecewise Inductor,
+kiln's GEMV kept for small batches, as -O2's default custom ops have it) and batch size, `batch`
+sequences of `context` random tokens are prefilled, then decoded:
 
     engine_step_ms       LLMEngine.step, `steps` of them back to back (scheduling, packing,
                          forward, sampling, stop checks, outputs), no wait between them:
@@ -45,10 +45,8 @@ from kiln.tools.bench import Floor, floor_for, measure_copy, measure_matmul
 from kiln.tools.traffic import decode_weight_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
-# name -> LLM arguments; O2+gemv: -O2 keeping kiln's GEMV for the linears of 1-64 rows (-O2 alone gives
-# every linear to Inductor, which calls cuBLAS).
-MODES = {"default": dict, "O2": lambda: dict(compilation=CompilationConfig.level(2)),
-         "O2+gemv": lambda: dict(compilation=CompilationConfig.level(2), custom_ops=["none", "+rms_norm", "+fused_add_rms_norm", "+skinny_linear"])}
+# name -> LLM arguments
+MODES = {"default": dict, "O2": lambda: dict(compilation=CompilationConfig.level(2))}
 
 
 def sync(device: str) -> None:

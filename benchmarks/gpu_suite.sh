@@ -55,7 +55,7 @@ for part in $parts; do
         # torch.compile's first call (about 5 minutes).
         fresh) run python benchmarks/fresh_start.py --out "$OUT" ;;
         # kiln's engine step (async scheduling on and off) and forward beside the stock loop, same run.
-        decode) run python benchmarks/decode_vs_reference.py --modes default O2 O2+gemv --out "$OUT" ;;
+        decode) run python benchmarks/decode_vs_reference.py --modes default O2 --out "$OUT" ;;
         # The stock torch.compile decode loop's step time (same shape), alone.
         reference) run python benchmarks/reference_decode.py --batches 1 8 64 256 --out "$OUT" ;;
         # Offline throughput: 1000 random prompts, 512 tokens in, 128 out, default and -O2, beside the floor.
