@@ -19,6 +19,7 @@ namespace {
 
 constexpr int64_t kChunk = 32;          // keys scored before the accumulators are rescaled once
 constexpr int64_t kQueryTile = 8;       // query tokens of one sequence that share each K/V load
+constexpr int64_t kDirectRows = 4;      // rows (tokens x group) up to which keys are not transposed
 constexpr int64_t kPrefillTile = 64;    // query tokens per item where a sequence has many (matmuls)
 constexpr int64_t kPrefillChunk = 256;  // keys per matmul there
 
@@ -165,41 +166,59 @@ void attend(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
             std::fill(running_sum.begin(), running_sum.begin() + rows, 0.f);
             for (int64_t start = first_key; start <= last_position; start += kChunk) {
                 const int64_t count = std::min<int64_t>(kChunk, last_position + 1 - start);
-                // The chunk's keys transposed ([head_dim][kChunk], zero past `count`) and its values
-                // ([kChunk][head_dim]), in fp32: every row's scores are then multiply-adds across
-                // the keys, with no horizontal sums.
-                for (int64_t c = 0; c < kChunk; ++c) {
-                    if (c < count) {
+                // Causal, and inside the window: the key at `position` itself always counts.
+                auto finish = [&](int64_t r, int64_t c, float s) {
+                    const int64_t position = first_position + r / group, k_index = start + c;
+                    if (k_index > position || (window > 0 && k_index <= position - window)) {
+                        s = neg_inf;
+                    } else if (f_cap > 0.f) {
+                        s = f_cap * std::tanh(s / f_cap);
+                    }
+                    scores[r * kChunk + c] = s;
+                };
+                if (rows <= kDirectRows) {
+                    // A decode token's few rows: each key's scores as dot products straight from the
+                    // cache; the transpose below costs more than it saves for so few rows.
+                    for (int64_t c = 0; c < count; ++c) {
                         const int64_t index = start + c;
                         const int64_t offset = table[index / block_size] * block_stride +
                                                (index % block_size) * slot_stride + kv_head * head_dim;
-                        to_float(k_base + offset, key.data(), head_dim);
+                        const T* kp = k_base + offset;
                         to_float(v_base + offset, values.data() + c * head_dim, head_dim);
-                        for (int64_t d = 0; d < head_dim; ++d) keys_t[d * kChunk + c] = key[d];
-                    } else {
-                        for (int64_t d = 0; d < head_dim; ++d) keys_t[d * kChunk + c] = 0.f;
-                    }
-                }
-                for (int64_t r = 0; r < rows; ++r) {
-                    float row_scores[kChunk] = {};
-                    const float* qr = q.data() + r * head_dim;
-                    for (int64_t d = 0; d < head_dim; ++d) {
-                        const float qd = qr[d];
-                        const float* kd = keys_t.data() + d * kChunk;
-#pragma omp simd
-                        for (int64_t c = 0; c < kChunk; ++c) row_scores[c] += qd * kd[c];
-                    }
-                    const int64_t position = first_position + r / group;
-                    for (int64_t c = 0; c < count; ++c) {
-                        const int64_t k_index = start + c;
-                        // Causal, and inside the window: the key at `position` itself always counts.
-                        float s = row_scores[c];
-                        if (k_index > position || (window > 0 && k_index <= position - window)) {
-                            s = neg_inf;
-                        } else if (f_cap > 0.f) {
-                            s = f_cap * std::tanh(s / f_cap);
+                        for (int64_t r = 0; r < rows; ++r) {
+                            const float* qr = q.data() + r * head_dim;
+                            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                            for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * static_cast<float>(kp[d]);
+                            finish(r, c, dot);
                         }
-                        scores[r * kChunk + c] = s;
+                    }
+                } else {
+                    // The chunk's keys transposed ([head_dim][kChunk], zero past `count`) and its
+                    // values ([kChunk][head_dim]), in fp32: every row's scores are then
+                    // multiply-adds across the keys, with no horizontal sums.
+                    for (int64_t c = 0; c < kChunk; ++c) {
+                        if (c < count) {
+                            const int64_t index = start + c;
+                            const int64_t offset = table[index / block_size] * block_stride +
+                                                   (index % block_size) * slot_stride + kv_head * head_dim;
+                            to_float(k_base + offset, key.data(), head_dim);
+                            to_float(v_base + offset, values.data() + c * head_dim, head_dim);
+                            for (int64_t d = 0; d < head_dim; ++d) keys_t[d * kChunk + c] = key[d];
+                        } else {
+                            for (int64_t d = 0; d < head_dim; ++d) keys_t[d * kChunk + c] = 0.f;
+                        }
+                    }
+                    for (int64_t r = 0; r < rows; ++r) {
+                        float row_scores[kChunk] = {};
+                        const float* qr = q.data() + r * head_dim;
+                        for (int64_t d = 0; d < head_dim; ++d) {
+                            const float qd = qr[d];
+                            const float* kd = keys_t.data() + d * kChunk;
+#pragma omp simd
+                            for (int64_t c = 0; c < kChunk; ++c) row_scores[c] += qd * kd[c];
+                        }
+                        for (int64_t c = 0; c < count; ++c) finish(r, c, row_scores[c]);
                     }
                 }
                 for (int64_t r = 0; r < rows; ++r) {
