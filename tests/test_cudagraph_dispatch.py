@@ -176,3 +176,26 @@ def test_padded_steps_give_the_same_tokens():
     assert padded == plain
     assert {c.phase for _, c in seen} == {"prefill", "decode"} and all(c.mode == "full" for _, c in seen)
     assert any(c.bucket > n for n, c in seen), "no step was actually padded"
+
+
+def test_decode_without_a_graph_reports_the_graphs_context_bound():
+    """The GPU attention picks its split count (and so its rounding) from meta.max_seq_len; a
+    full decode graph is captured with the model's bound, so a decode step that runs without a
+    graph must report that bound too, or eager and graphed tokens part (Gemma 2 did on the H200)."""
+    llm = LLM("tiny-llama", device="cpu", max_num_seqs=4, num_kv_blocks=64, block_size=4, max_model_len=96,
+              compilation=CompilationConfig.level(0))
+    graphs = llm.engine.runner.cudagraphs
+    pack, seen = graphs.pack, []
+
+    def recording_pack(step, uniform_decode):
+        choice, inputs = pack(step, uniform_decode)
+        seen.append((choice.mode, inputs[2].max_query_len, inputs[2].max_seq_len, max(step.seq_lens)))
+        return choice, inputs
+
+    graphs.pack = recording_pack
+    llm.generate([[5, 6, 7], [8, 9, 10, 11, 12]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    decodes = [bound for mode, query, bound, _ in seen if query == 1]
+    prefills = [(bound, real) for mode, query, bound, real in seen if query > 1]
+    assert {mode for mode, *_ in seen} == {"none"}
+    assert decodes and set(decodes) == {96}
+    assert prefills and all(bound == real for bound, real in prefills)

@@ -66,7 +66,9 @@ class ForwardCudagraphs:
         else:
             num_seqs = len(step.seq_lens)
             max_query_len = max(b - a for a, b in zip(step.query_start_loc, step.query_start_loc[1:]))
-            max_seq_len = max(step.seq_lens)
+            # A decode step without a full graph reports the graph's context bound too: the
+            # attention's split count follows it, and the same count rounds a sequence the same.
+            max_seq_len = self.max_model_len if max_query_len == 1 else max(step.seq_lens)
         return choice, self.buffers.load(step, num_tokens, num_seqs, max_query_len, max_seq_len)
 
     def run(self, choice: CudagraphChoice, input_ids: torch.Tensor,

@@ -143,8 +143,10 @@ def _multiprocessor_count(device: torch.device) -> int:
 def choose_kv_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.device, head_dim: int = 128) -> int:
     """How many ranges each context is cut into: >1 only for decode batches too small to fill the GPU.
 
-    Any value gives the same result; it depends on meta's Python ints (not device data), so
-    a CUDA graph captured with one meta stays correct, if not optimal, for other lengths.
+    Any value gives the same result up to rounding; it depends on meta's Python ints (not device
+    data), so a CUDA graph captured with one meta stays correct, if not optimal, for other
+    lengths. The engine passes the model's length bound as max_seq_len for every decode step,
+    graph or not, so a sequence's count (and rounding) does not depend on whether a graph ran.
     """
     if meta.max_query_len != 1:
         return 1
