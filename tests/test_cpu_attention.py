@@ -54,17 +54,24 @@ def test_kernel_matches_the_reference(built, dtype, window, softcap, hq, hkv, d,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 10])
+@pytest.mark.parametrize("kernel_built", [True, False])
 @pytest.mark.parametrize("seq_lens, query_lens, decode_rows", [
     ([23, 1, 70, 41, 2, 300], [23, 1, 9, 1, 2, 70], None),  # 2 decode rows: the kernel's
     ([23, 1, 70, 41, 2, 300, 17, 33], [23, 1, 9, 1, 2, 70, 1, 1], 4)])
-def test_sdpa_takes_prompt_chunks_and_decode_batches(dtype, window, seq_lens, query_lens, decode_rows, monkeypatch):
+def test_sdpa_takes_prompt_chunks_and_decode_batches(built, dtype, window, kernel_built, seq_lens, query_lens,
+                                                     decode_rows, monkeypatch):
     """Sequences with 64 or more queries in the step go to prefill_attention (window 10 leaves the
-    first 221 keys of the 300-token context unread, 13 of them inside a block), 4 or more decode
-    rows whose longest context is long enough (here: 41 tokens, the floor lowered) together to
-    decode_attention, the others to the kernel or, unbuilt, the reference:
+    first 221 keys of the 300-token context unread, 13 of them inside a block); without a built
+    kernel, 4 or more decode rows whose longest context is long enough (here: 41 tokens, the floor
+    lowered) together to decode_attention; the others to the kernel or, unbuilt, the reference:
     every row as the reference has it."""
+    from kiln.ops import attention as attention_module
     from kiln.ops.cpu import sdpa_attention
 
+    if not kernel_built:
+        monkeypatch.setattr(attention_module, "cpu_kernel", lambda: None)
+    else:
+        decode_rows = None  # the threaded kernel is as quick: decode rows stay with it
     chunks, decodes = [], []
     prefill, decode = sdpa_attention.prefill_attention, sdpa_attention.decode_attention
     monkeypatch.setattr(sdpa_attention, "prefill_attention", lambda q, *a: chunks.append(q.shape[0]) or prefill(q, *a))

@@ -3,13 +3,15 @@
 torch's CPU flash attention multiplies in the cache's dtype with oneDNN (AMX for bf16 where the
 CPU has it) and accumulates in fp32; the C++ paged kernel converts K and V to fp32 tiles for every
 query tile. On the 2-core dev machine, bf16 SmolLM2 shapes (9 query heads, 3 KV heads, dim 64),
-one layer, SDPA against the C++ kernel:
+one layer, SDPA against the C++ kernel (when it still ran on one thread; see extension.py):
 - a prompt chunk (prefill_attention): 2048 queries over 8000 keys 84 vs 676 ms, 168 over 8000 8.9
   vs 63 ms, 8 over 2000 0.6 vs 2.0 ms, with the same error against an fp64 reference (2.3e-3 vs
-  1.7e-3 relative in bf16, 4e-7 in fp32); gathering 8000 tokens' K and V costs ~1.7 ms;
+  1.7e-3 relative in bf16, 4e-7 in fp32); gathering 8000 tokens' K and V costs ~1.7 ms. Threaded,
+  the kernel still loses: 2048 over 2048 8.1 vs 71 ms, 128 over 128 0.15 vs 0.37 ms (bf16);
 - decode rows, all sequences padded into one call (decode_attention): 16 at ~100 tokens 0.24 vs
-  0.31 ms, 16 at 512 1.0 vs 1.7, 64 at 300 2.5 vs 4.3; one row alone 0.06 vs 0.02 ms (the
-  kernel's).
+  0.31 ms, 16 at 512 1.0 vs 1.7, 64 at 300 2.5 vs 4.3. Threaded, the kernel wins or ties: 16 at
+  512 0.96 vs 0.71 ms, 64 at 2048 14.0 vs 13.9, 8 at 4096 5.2 vs 3.5 (bf16). So decode_attention
+  serves only where the kernel is not built, in place of the much slower Python reference.
 """
 
 from __future__ import annotations
@@ -22,11 +24,9 @@ from torch.nn.attention.bias import causal_lower_right
 # from 8 queries (above), but the kernel serves a step's short prompts in one call: with 8, 16
 # chats of ~35 tokens ran 2% slower in the engine (fp32, benchmarks/cpu_attention.py).
 MIN_QUERIES = 64
-# decode_attention takes a step's decode rows when there are this many (below, the C++ kernel's
-# one call is quicker), the longest context has this many tokens, and their padded K and V fit in
-# this many bytes. Contexts of ~100 tokens came out even in the engine (bf16 SmolLM2 -O2, 16 x 64
-# chats: 328-330 tok/s against the kernel's 336-353); at 600, 16 prompts + 64 steps took 8.85 s
-# against 10.96 s, tokens equal.
+# Without a built kernel, decode_attention takes a step's decode rows when there are this many,
+# the longest context has this many tokens, and their padded K and V fit in this many bytes
+# (thresholds measured against the one-thread kernel; the reference is slower still).
 MIN_DECODE_ROWS = 4
 MIN_DECODE_CONTEXT = 256
 MAX_DECODE_GATHER_BYTES = 64 << 20
