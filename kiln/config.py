@@ -149,10 +149,15 @@ class EngineConfig:
 
     def resolved_custom_ops(self) -> frozenset[str]:
         """The ops whose kernel path the model takes: `custom_ops`, or the default list."""
+        from kiln.ops.cpu.packed_linear import PACKED_DTYPES  # kiln.ops imports this module
+
         enabled = resolve_custom_ops(self.custom_ops or self.default_custom_ops, "none")
-        # The GEMV only has a CUDA kernel: elsewhere its op is F.linear behind a dispatcher
-        # call (6 us more a matmul on the 2-core CPU), so only an explicit +skinny_linear keeps it.
-        if self.torch_device.type != "cuda" and "+skinny_linear" not in self.custom_ops:
+        # The linear op's CPU kernel multiplies by weights prepacked for oneDNN, which only bf16
+        # does (kiln/ops/cpu/packed_linear.py); in fp32 the op would be F.linear behind a
+        # dispatcher call (6 us more a matmul on the 2-core CPU), so only an explicit
+        # +skinny_linear keeps it there.
+        if (self.torch_device.type != "cuda" and self.torch_dtype not in PACKED_DTYPES
+                and "+skinny_linear" not in self.custom_ops):
             enabled -= {"skinny_linear"}
         return enabled
 

@@ -139,11 +139,12 @@ def test_unknown_rope_scaling_is_an_error():
         rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
 
 
-def test_skinny_linear_is_on_by_default_on_cuda_only(monkeypatch):
+def test_skinny_linear_is_on_by_default_on_cuda_and_for_bf16_on_the_cpu(monkeypatch):
     from kiln.config import EngineConfig
 
     cpu = EngineConfig(model="tiny-llama", device="cpu").resolved_custom_ops()
-    assert "rms_norm" in cpu and "skinny_linear" not in cpu  # no CPU kernel: F.linear directly
+    assert "rms_norm" in cpu and "skinny_linear" not in cpu  # fp32 packs nothing: F.linear directly
+    assert "skinny_linear" in EngineConfig(model="tiny-llama", device="cpu", dtype="bfloat16").resolved_custom_ops()
     asked = EngineConfig(model="tiny-llama", device="cpu", custom_ops=["all", "+skinny_linear"])
     assert "skinny_linear" in asked.resolved_custom_ops()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the config only, nothing runs
@@ -153,7 +154,7 @@ def test_skinny_linear_is_on_by_default_on_cuda_only(monkeypatch):
 def test_inductor_compiles_take_the_norm_and_gemv_kernels_by_default():
     # Inductor's fused norm and cuBLAS sum a row in another order than the kernels (eager's
     # path), which flips bf16 roundings and then greedy tokens; the other ops are Inductor's to
-    # fuse. The GEMV has only a CUDA kernel, so a CPU engine drops it.
+    # fuse. A CPU engine in fp32 drops the linear op (its CPU kernel only packs bf16 weights).
     from kiln.compile.config import CompilationConfig
     from kiln.config import EngineConfig, default_custom_ops
 

@@ -29,6 +29,7 @@ from kiln.forward_context import AttentionMetadata, set_forward_context, warm_up
 from kiln.loader import ModelSource
 from kiln.models import build_model
 from kiln.ops import Attention
+from kiln.ops.cpu.packed_linear import pack_linear_weights
 from kiln.ops.linear import GEMV_ROW_BUCKETS
 
 logger = logging.getLogger("kiln")
@@ -130,6 +131,10 @@ class ModelRunner:
         with timeline.phase("weights"):
             self.model = build_model(source.config, self.dtype, self.device, self.custom_ops,
                                      source.weights() if source.weights and config.load_format == "auto" else None)
+        if "skinny_linear" in self.custom_ops and self.device.type == "cpu":
+            with timeline.phase("pack_weights"):
+                packed = pack_linear_weights(self.model)
+            logger.info("linear weights prepacked for oneDNN: %.0f MB", packed / 2**20)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # On a fresh machine kiln's own Triton kernels are compiled in parallel processes (see
         # kiln.compile.triton_precompile) before the real warm-up runs and captures, which then

@@ -2,7 +2,8 @@
 
 On CUDA the op takes the Triton skinny matmul (kiln/ops/triton/gemv.py) when x has at most
 MAX_ROWS rows and the kernel is known to beat cuBLAS for the shape (always up to 16 rows), and
-cuBLAS (F.linear) otherwise. The row check is inside the op, which Dynamo
+cuBLAS (F.linear) otherwise. On the CPU it multiplies by the weight oneDNN-reordered at load
+(kiln/ops/cpu/packed_linear.py: bf16), and takes F.linear for a weight that has no packed twin. The row check is inside the op, which Dynamo
 sees as one opaque call, so a traced forward holds no branch on the batch size; inside a
 CUDA graph the branch was taken once, at capture, for that graph's size. The MLP's down
 projection may take its activation along (kiln::act_and_mul_linear, the GEMV's gated loads).
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.activation import GATED_ACTIVATIONS
+from kiln.ops.cpu.packed_linear import packed_linear
 from kiln.ops.custom_op import CustomOp, is_enabled
 
 MAX_ROWS = 64  # kiln.ops.triton.gemv.MAX_ROWS; not imported here, so CPU never imports triton
@@ -49,6 +51,12 @@ def skinny_linear_cuda(x, weight):
     return gemv.linear(x, weight)
 
 
+@skinny_linear_op.register_kernel("cpu")
+def skinny_linear_cpu(x, weight):
+    y = packed_linear(x, weight)
+    return F.linear(x, weight) if y is None else y
+
+
 @torch.library.custom_op("kiln::act_and_mul_linear", mutates_args=())
 def act_and_mul_linear_op(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
     """The gated MLP's down projection with its activation: act(gate) * up @ weight.T for x =
@@ -70,6 +78,13 @@ def act_and_mul_linear_cuda(x, weight, activation):
     from kiln.ops.triton.activation import gated_activation
 
     return F.linear(gated_activation(x, activation), weight)
+
+
+@act_and_mul_linear_op.register_kernel("cpu")
+def act_and_mul_linear_cpu(x, weight, activation):
+    gated = GATED_ACTIVATIONS[activation][1](x)
+    y = packed_linear(gated, weight)
+    return F.linear(gated, weight) if y is None else y
 
 
 class SkinnyLinear(CustomOp):
