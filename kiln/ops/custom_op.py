@@ -2,7 +2,8 @@
 
 Every op here has a native PyTorch reference (plain tensor math: what Dynamo traces and
 Inductor fuses) and a kernel path (an opaque `torch.ops.kiln.*` op: a fused Triton kernel
-on CUDA, the same native math on CPU). Which path a layer takes is fixed when the layer is
+on CUDA; on the CPU kiln's C++ kernel or prepacked matmul where there is one (kiln/ops/cpu),
+else the same native math). Which path a layer takes is fixed when the layer is
 built, from the `custom_ops` list, so the forward never branches on it.
 """
 

@@ -2,13 +2,15 @@
 
 unit_offset (Gemma): the checkpoint stores w - 1, so the row is scaled by 1 + w, in fp32, and
 rounded to the input dtype once, as HF's Gemma2RMSNorm does; without it, the normalised row is
-rounded first and then multiplied by w (HF's LlamaRMSNorm)."""
+rounded first and then multiplied by w (HF's LlamaRMSNorm). On the CPU the ops run kiln's C++
+kernels where they are built (kiln/ops/cpu/rms_norm.cpp: one call instead of nine ATen ones)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kiln.ops.cpu.extension import kernel as cpu_kernel
 from kiln.ops.custom_op import CustomOp, is_enabled
 
 
@@ -51,6 +53,21 @@ def _(x, weight, eps, unit_offset=False):
     return rms_norm(x, weight, eps, unit_offset)
 
 
+def _cpu_kernel_for(*tensors: torch.Tensor):
+    """kiln's built C++ kernels where they take these tensors (one dtype, contiguous), else None."""
+    kernel = cpu_kernel()
+    if kernel is None or any(t.dtype != tensors[0].dtype or not t.is_contiguous() for t in tensors):
+        return None
+    return kernel
+
+
+@rms_norm_op.register_kernel("cpu")
+def _(x, weight, eps, unit_offset=False):
+    kernel = _cpu_kernel_for(x, weight)
+    return rms_norm_native(x, weight, eps, unit_offset) if kernel is None else kernel.rms_norm(x, weight, eps,
+                                                                                               unit_offset)
+
+
 @torch.library.custom_op("kiln::fused_add_rms_norm", mutates_args=())
 def fused_add_rms_norm_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
@@ -68,6 +85,14 @@ def _(x, residual, weight, eps, unit_offset=False):
     from kiln.ops.triton.norm import fused_add_rms_norm
 
     return fused_add_rms_norm(x, residual, weight, eps, unit_offset)
+
+
+@fused_add_rms_norm_op.register_kernel("cpu")
+def _(x, residual, weight, eps, unit_offset=False):
+    kernel = _cpu_kernel_for(x, residual, weight)
+    if kernel is None:
+        return fused_add_rms_norm_native(x, residual, weight, eps, unit_offset)
+    return kernel.fused_add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
 class RMSNorm(CustomOp):

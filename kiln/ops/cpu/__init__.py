@@ -1,1 +1,2 @@
-"""kiln's own CPU kernels: C++ built with torch's cpp_extension by kiln prewarm, kept in the cache root."""
+"""kiln's own CPU kernels: C++ (paged attention, RMSNorm) built with torch's cpp_extension by kiln
+prewarm and kept in the cache root, and bf16 linear weights prepacked for oneDNN at load."""

@@ -1,4 +1,4 @@
-"""The CPU attention kernel (paged_attention.cpp): built once, loaded by every start.
+"""kiln's CPU kernels (paged attention, RMSNorm: the .cpp files here): built once, loaded by every start.
 
 Building takes a compiler and tens of seconds, so a serving start never builds: `kiln prewarm
 --device cpu` (or build()) compiles it into the cache root, keyed by the source, torch and this
@@ -21,7 +21,7 @@ import torch
 
 logger = logging.getLogger("kiln")
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp")]
 NAME = "kiln_cpu_attention"
 # The machine's own vector units; expf without errno, so that the softmax's exponentials
 # vectorise. OpenMP because at::parallel_for is a header whose `omp parallel` is compiled here:
@@ -46,8 +46,9 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def _build_key() -> str:
-    return hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
-                                      _cpu_flags().encode(), sys.version.encode()])).hexdigest()[:16]
+    parts = [*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS + LDFLAGS).encode(),
+             torch.__version__.encode(), _cpu_flags().encode(), sys.version.encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
 def build_dir() -> Path:
@@ -73,7 +74,7 @@ def build() -> Path:
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     _absent.discard(directory)
-    _loaded = load(NAME, [str(SOURCE)], build_directory=str(directory), extra_cflags=CFLAGS,
+    _loaded = load(NAME, [str(source) for source in SOURCES], build_directory=str(directory), extra_cflags=CFLAGS,
                    extra_ldflags=LDFLAGS, verbose=False)
     return _built_module(directory)
 

@@ -260,6 +260,8 @@ void attend(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
     });
 }
 
+}  // namespace
+
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out,
                      const at::Tensor& block_tables, const std::vector<int64_t>& seq_lens,
                      const std::vector<int64_t>& query_start, double scale, int64_t window, double softcap) {
@@ -287,10 +289,4 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, at::Te
         default:
             TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16 only, got ", query.scalar_type());
     }
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("paged_attention", &paged_attention, "paged attention over a step's tokens (CPU)");
 }

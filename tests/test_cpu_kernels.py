@@ -1,7 +1,8 @@
-"""The CPU paged attention (kiln/ops/cpu: the C++ kernel, and torch's SDPA for prompt chunks and
-decode batches) against the Python reference: one call for a step's decode rows and prefill chunks, GQA,
-windows, soft-capping, fp32 and bf16; an engine on it gives the reference's tokens; a start
-without a build runs the reference and builds nothing."""
+"""kiln's CPU kernels (kiln/ops/cpu) against their references. Paged attention (the C++ kernel,
+and torch's SDPA for prompt chunks and, unbuilt, decode batches) against the Python reference: one
+call for a step's decode rows and prefill chunks, GQA, windows, soft-capping, fp32 and bf16; an
+engine on it gives the reference's tokens; a start without a build runs the reference and builds
+nothing. RMSNorm and residual add + RMSNorm against the native path."""
 
 import logging
 
@@ -133,3 +134,39 @@ def test_without_a_build_the_reference_runs_and_nothing_is_built(tmp_path, monke
         assert extension.kernel() is None and extension.kernel() is None
     assert sum("kiln prewarm --device cpu" in r.message for r in caplog.records) == 1
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("shape", [(16, 576), (3, 5, 64), (0, 32), (300, 96)])
+def test_rms_norm_kernels_match_the_native_path(built, dtype, unit_offset, shape):
+    """The built kernels behind kiln::rms_norm and kiln::fused_add_rms_norm round where the native
+    path does; only the sum of squares' order differs (fp32 to 1e-6; bf16 to a rounding step)."""
+    from kiln.ops.norm import fused_add_rms_norm_native, rms_norm_native
+
+    gen = torch.Generator().manual_seed(len(shape) + shape[-1])
+    x, residual = (torch.randn(*shape, generator=gen).mul(3).to(dtype) for _ in range(2))
+    weight = torch.randn(shape[-1], generator=gen).to(dtype)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
+    ours = torch.ops.kiln.rms_norm(x, weight, 1e-6, unit_offset)
+    assert torch.equal(ours, extension.kernel().rms_norm(x, weight, 1e-6, unit_offset))  # the op takes the kernel
+    torch.testing.assert_close(ours, rms_norm_native(x, weight, 1e-6, unit_offset), **tol)
+    out, new_residual = torch.ops.kiln.fused_add_rms_norm(x, residual, weight, 1e-6, unit_offset)
+    native_out, native_residual = fused_add_rms_norm_native(x, residual, weight, 1e-6, unit_offset)
+    assert torch.equal(new_residual, native_residual)  # the sum is rounded as x + residual is
+    assert torch.equal(out, extension.kernel().fused_add_rms_norm(x, residual, weight, 1e-6, unit_offset)[0])
+    torch.testing.assert_close(out, native_out, **tol)
+
+
+def test_rms_norm_ops_fall_back_to_native_for_what_the_kernels_do_not_take(built):
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    weight = torch.randn(64)  # fp32 weight under bf16 rows: the native path's promotion
+    from kiln.ops.norm import rms_norm_native
+
+    assert torch.equal(torch.ops.kiln.rms_norm(x, weight, 1e-6), rms_norm_native(x, weight, 1e-6))
+    strided = torch.randn(64, 4).t()
+    assert torch.equal(torch.ops.kiln.rms_norm(strided, torch.ones(64), 1e-6), rms_norm_native(strided, torch.ones(64), 1e-6))
+    with pytest.raises(RuntimeError, match="weight and x must share a dtype"):
+        extension.kernel().rms_norm(x, weight, 1e-6, False)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 only"):
+        extension.kernel().rms_norm(x.double(), weight.double(), 1e-6, False)
