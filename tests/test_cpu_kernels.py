@@ -170,3 +170,21 @@ def test_rms_norm_ops_fall_back_to_native_for_what_the_kernels_do_not_take(built
         extension.kernel().rms_norm(x, weight, 1e-6, False)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 only"):
         extension.kernel().rms_norm(x.double(), weight.double(), 1e-6, False)
+
+
+def test_rms_norm_kernel_rounds_bf16_as_torch_does_nan_included(built):
+    """The kernel's own bf16 rounding (bit operations) against torch's, on sums of bf16 values over
+    40 binades (ties to even among them), and NaN."""
+    from kiln.ops.norm import fused_add_rms_norm_native
+
+    gen = torch.Generator().manual_seed(5)
+    x, residual = (torch.randn(900, 64, generator=gen) * 2.0 ** torch.randint(-20, 20, (900, 64), generator=gen)
+                   for _ in range(2))
+    x, residual = x.to(torch.bfloat16), residual.to(torch.bfloat16)
+    weight = torch.randn(64, generator=gen).to(torch.bfloat16)
+    ours = extension.kernel().fused_add_rms_norm(x, residual, weight, 1e-6, False)
+    assert torch.equal(ours[1], fused_add_rms_norm_native(x, residual, weight, 1e-6)[1])
+    row = torch.randn(2, 64).to(torch.bfloat16)
+    row[0, 3] = float("nan")
+    out = extension.kernel().rms_norm(row, weight, 1e-6, False)
+    assert out[0].isnan().all() and not out[1].isnan().any()

@@ -9,10 +9,34 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
 namespace {
+
+// bf16 <-> fp32 as bit operations the compiler vectorises (c10's conversions stay scalar here:
+// 16 x 576 bf16 rows took 27.7 us through them, against 4.3 us for the same rows in fp32). The
+// rounding is c10's: to nearest even, NaN to the quiet NaN 0x7FC0.
+inline float as_float(float x) { return x; }
+inline float as_float(at::Half x) { return static_cast<float>(x); }
+inline float as_float(at::BFloat16 x) {
+    const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+template <typename T>
+inline T from_float(float f) { return static_cast<T>(f); }
+template <>
+inline at::BFloat16 from_float<at::BFloat16>(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+    return at::BFloat16(f != f ? static_cast<uint16_t>(0x7FC0) : rounded, at::BFloat16::from_bits());
+}
 
 template <typename T>
 void norm_rows(const T* x, const T* residual_in, T* residual_out, const T* weight, T* out, int64_t rows,
@@ -29,13 +53,13 @@ void norm_rows(const T* x, const T* residual_in, T* residual_out, const T* weigh
                 T* ro = residual_out + r * hidden;
 #pragma omp simd
                 for (int64_t d = 0; d < hidden; ++d) {
-                    const T sum = static_cast<T>(static_cast<float>(xr[d]) + static_cast<float>(rr[d]));
+                    const T sum = from_float<T>(as_float(xr[d]) + as_float(rr[d]));
                     ro[d] = sum;
-                    v[d] = static_cast<float>(sum);
+                    v[d] = as_float(sum);
                 }
             } else {
 #pragma omp simd
-                for (int64_t d = 0; d < hidden; ++d) v[d] = static_cast<float>(xr[d]);
+                for (int64_t d = 0; d < hidden; ++d) v[d] = as_float(xr[d]);
             }
             float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
@@ -44,13 +68,11 @@ void norm_rows(const T* x, const T* residual_in, T* residual_out, const T* weigh
             T* o = out + r * hidden;
             if (unit_offset) {
 #pragma omp simd
-                for (int64_t d = 0; d < hidden; ++d)
-                    o[d] = static_cast<T>(v[d] * inv * (1.f + static_cast<float>(weight[d])));
+                for (int64_t d = 0; d < hidden; ++d) o[d] = from_float<T>(v[d] * inv * (1.f + as_float(weight[d])));
             } else {
 #pragma omp simd
                 for (int64_t d = 0; d < hidden; ++d)
-                    o[d] = static_cast<T>(static_cast<float>(weight[d]) *
-                                          static_cast<float>(static_cast<T>(v[d] * inv)));
+                    o[d] = from_float<T>(as_float(weight[d]) * as_float(from_float<T>(v[d] * inv)));
             }
         }
     });
