@@ -136,7 +136,8 @@ def _cpu_plan(meta, kv_cache: torch.Tensor, window: int, softcap: float) -> _Cpu
     decode_plan = None
     # Decode rows go to SDPA only where the C++ kernel is not built: threaded, the kernel was as
     # quick or quicker at every batch and context measured (1-64 rows, 40-4096 tokens).
-    if decode and sdpa and cpu_kernel() is None and sdpa_attention.decode_fits(len(decode), max(lens[i] for i in decode), kv_cache):
+    if (decode and sdpa and cpu_kernel() is None
+            and sdpa_attention.decode_fits(len(decode), max(lens[i] for i in decode), kv_cache)):
         first_rows = [starts[i] for i in decode]
         rows = slice(0, len(decode)) if first_rows == list(range(len(decode))) else torch.tensor(first_rows)
         decode_plan = (rows, sdpa_attention.decode_inputs(meta.block_tables[decode], [lens[i] for i in decode],

@@ -93,8 +93,8 @@ def kernel() -> ModuleType | None:
         _absent.add(directory)
         if not _said:
             _said = True
-            logger.info("CPU attention: the Python reference (per sequence); `kiln prewarm --device cpu` builds "
-                        "the batched C++ kernel into %s", build_dir().parent)
+            logger.info("CPU attention: the Python reference (per sequence), and native norms; `kiln prewarm "
+                        "--device cpu` builds the batched C++ kernels into %s", build_dir().parent)
         return None
     spec = importlib.util.spec_from_file_location(NAME, library)
     module = importlib.util.module_from_spec(spec)
