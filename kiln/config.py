@@ -32,6 +32,8 @@ CUSTOM_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_m
 CUSTOM_OP_BASES = ("all", "none")
 CUSTOM_OPS_EXAMPLE = '["none", "+rms_norm"]'
 CPU_STEP_SECONDS = 1.0  # max_step_seconds' default on the CPU
+# The dtypes whose linear weights the CPU prepacks for oneDNN (kiln/ops/cpu/packed_linear.py).
+CPU_PACKED_LINEAR_DTYPES = (torch.bfloat16,)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -149,14 +151,12 @@ class EngineConfig:
 
     def resolved_custom_ops(self) -> frozenset[str]:
         """The ops whose kernel path the model takes: `custom_ops`, or the default list."""
-        from kiln.ops.cpu.packed_linear import PACKED_DTYPES  # kiln.ops imports this module
-
         enabled = resolve_custom_ops(self.custom_ops or self.default_custom_ops, "none")
         # The linear op's CPU kernel multiplies by weights prepacked for oneDNN, which only bf16
         # does (kiln/ops/cpu/packed_linear.py); in fp32 the op would be F.linear behind a
         # dispatcher call (6 us more a matmul on the 2-core CPU), so only an explicit
         # +skinny_linear keeps it there.
-        if (self.torch_device.type != "cuda" and self.torch_dtype not in PACKED_DTYPES
+        if (self.torch_device.type != "cuda" and self.torch_dtype not in CPU_PACKED_LINEAR_DTYPES
                 and "+skinny_linear" not in self.custom_ops):
             enabled -= {"skinny_linear"}
         return enabled

@@ -164,8 +164,8 @@ def test_rms_norm_ops_fall_back_to_native_for_what_the_kernels_do_not_take(built
     from kiln.ops.norm import rms_norm_native
 
     assert torch.equal(torch.ops.kiln.rms_norm(x, weight, 1e-6), rms_norm_native(x, weight, 1e-6))
-    strided = torch.randn(64, 4).t()
-    assert torch.equal(torch.ops.kiln.rms_norm(strided, torch.ones(64), 1e-6), rms_norm_native(strided, torch.ones(64), 1e-6))
+    strided, ones = torch.randn(64, 4).t(), torch.ones(64)
+    assert torch.equal(torch.ops.kiln.rms_norm(strided, ones, 1e-6), rms_norm_native(strided, ones, 1e-6))
     with pytest.raises(RuntimeError, match="weight and x must share a dtype"):
         extension.kernel().rms_norm(x, weight, 1e-6, False)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 only"):

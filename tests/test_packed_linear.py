@@ -12,13 +12,14 @@ from kiln.config import resolve_custom_ops
 from kiln.models import build_model
 from kiln.models.presets import PRESETS
 from kiln.ops.cpu import packed_linear
-from kiln.ops.linear import act_and_mul_linear_op, skinny_linear_op
+from kiln.ops.linear import act_and_mul_linear_op, kiln_linear_weights, skinny_linear_op
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
 def _tiny_model(ops):
-    model = build_model(PRESETS["tiny-llama"], torch.bfloat16, torch.device("cpu"), resolve_custom_ops(ops, "none"), None)
+    model = build_model(PRESETS["tiny-llama"], torch.bfloat16, torch.device("cpu"), resolve_custom_ops(ops, "none"),
+                        None)
     for p in model.parameters():
         p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
     return model
@@ -29,9 +30,7 @@ def _tiny_model(ops):
 def test_packed_matmul_is_f_linear_to_the_bit(rows, shape):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.nn.Parameter(torch.randn(*shape, generator=gen).to(torch.bfloat16) * 0.05, requires_grad=False)
-    layer = torch.nn.Module()
-    layer.weight, layer.matmul = weight, skinny_linear_op
-    assert packed_linear.pack_linear_weights(layer) == weight.numel() * 2
+    assert packed_linear.pack_linear_weights([weight]) == weight.numel() * 2
     x = torch.randn(rows, shape[1], generator=gen).to(torch.bfloat16)
     y = packed_linear.packed_linear(x, weight)
     assert y is not None and torch.equal(y, F.linear(x, weight))
@@ -45,7 +44,8 @@ def test_packed_matmul_is_f_linear_to_the_bit(rows, shape):
 def test_only_kiln_linear_layers_pack_and_entries_die_with_their_weights():
     model = _tiny_model(["none", "+skinny_linear"])
     linears = [m for m in model.modules() if getattr(m, "matmul", None) is skinny_linear_op]
-    packed = packed_linear.pack_linear_weights(model)
+    assert {id(w) for w in kiln_linear_weights(model)} == {id(m.weight) for m in linears}
+    packed = packed_linear.pack_linear_weights(kiln_linear_weights(model))
     assert linears and packed == sum(m.weight.numel() * 2 for m in linears)
     keys = {packed_linear._key(m.weight) for m in linears}
     assert keys <= set(packed_linear._packed)
@@ -54,8 +54,9 @@ def test_only_kiln_linear_layers_pack_and_entries_die_with_their_weights():
     del model, linears
     gc.collect()
     assert not keys & set(packed_linear._packed), "a freed weight's packed twin outlived it"
-    # fp32 weights and layers without kiln's op are left alone.
-    assert packed_linear.pack_linear_weights(_tiny_model(["none"])) == 0
+    # Layers without kiln's op are not listed, fp32 weights are left alone.
+    assert kiln_linear_weights(_tiny_model(["none"])) == []
+    assert packed_linear.pack_linear_weights([torch.randn(8, 4)]) == 0
 
 
 def test_bf16_engine_tokens_equal_with_and_without_packed_weights():
@@ -64,7 +65,8 @@ def test_bf16_engine_tokens_equal_with_and_without_packed_weights():
     kw = dict(device="cpu", dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64, block_size=16, max_model_len=128)
     packed = LLM("tiny-llama", **kw)
     assert "skinny_linear" in packed.engine.runner.custom_ops
-    weights = [m.weight for m in packed.engine.runner.model.modules() if getattr(m, "matmul", None) is skinny_linear_op]
+    weights = kiln_linear_weights(packed.engine.runner.model)
     assert weights and all(packed_linear._key(w) in packed_linear._packed for w in weights)
     plain = LLM("tiny-llama", custom_ops=["all", "-skinny_linear"], **kw)
-    assert [o.token_ids for o in packed.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    ours, theirs = packed.generate(prompts, params), plain.generate(prompts, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]

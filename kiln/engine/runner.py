@@ -30,7 +30,7 @@ from kiln.loader import ModelSource
 from kiln.models import build_model
 from kiln.ops import Attention
 from kiln.ops.cpu.packed_linear import pack_linear_weights
-from kiln.ops.linear import GEMV_ROW_BUCKETS
+from kiln.ops.linear import GEMV_ROW_BUCKETS, kiln_linear_weights
 
 logger = logging.getLogger("kiln")
 
@@ -133,7 +133,7 @@ class ModelRunner:
                                      source.weights() if source.weights and config.load_format == "auto" else None)
         if "skinny_linear" in self.custom_ops and self.device.type == "cpu":
             with timeline.phase("pack_weights"):
-                packed = pack_linear_weights(self.model)
+                packed = pack_linear_weights(kiln_linear_weights(self.model))
             logger.info("linear weights prepacked for oneDNN: %.0f MB", packed / 2**20)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # On a fresh machine kiln's own Triton kernels are compiled in parallel processes (see

@@ -2,10 +2,11 @@
 
 On CUDA the op takes the Triton skinny matmul (kiln/ops/triton/gemv.py) when x has at most
 MAX_ROWS rows and the kernel is known to beat cuBLAS for the shape (always up to 16 rows), and
-cuBLAS (F.linear) otherwise. On the CPU it multiplies by the weight oneDNN-reordered at load
-(kiln/ops/cpu/packed_linear.py: bf16), and takes F.linear for a weight that has no packed twin. The row check is inside the op, which Dynamo
-sees as one opaque call, so a traced forward holds no branch on the batch size; inside a
-CUDA graph the branch was taken once, at capture, for that graph's size. The MLP's down
+cuBLAS (F.linear) otherwise. The row check is inside the op, which Dynamo sees as one opaque
+call, so a traced forward holds no branch on the batch size; inside a CUDA graph the branch
+was taken once, at capture, for that graph's size. On the CPU the op multiplies by the weight
+oneDNN-reordered at load (kiln/ops/cpu/packed_linear.py: bf16), and takes F.linear for a
+weight that has no packed twin. The MLP's down
 projection may take its activation along (kiln::act_and_mul_linear, the GEMV's gated loads).
 """
 
@@ -98,6 +99,17 @@ def linear_matmul() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     F.linear. A function rather than a SkinnyLinear submodule: Dynamo inlines a module call per
     linear layer otherwise (3 frames x 4 linears x 32 layers: ~9% of a Llama trace on the CPU)."""
     return skinny_linear_op if is_enabled(SkinnyLinear.op_names[0]) else F.linear
+
+
+def kiln_linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights of `model`'s layers whose matmul is kiln's linear op (each once: tied ones share)."""
+    weights = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        kiln_op = getattr(module, "matmul", None) in (skinny_linear_op, act_and_mul_linear_op)
+        if kiln_op and isinstance(weight, torch.Tensor):
+            weights[id(weight)] = weight
+    return list(weights.values())
 
 
 def fuses_activation(activation: str) -> bool:

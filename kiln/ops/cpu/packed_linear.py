@@ -16,11 +16,11 @@ freed weight's address, reused by another tensor, never finds a stale twin.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 
 import torch
-from torch import nn
 
-PACKED_DTYPES = (torch.bfloat16,)
+from kiln.config import CPU_PACKED_LINEAR_DTYPES
 
 _packed: dict[tuple, torch.Tensor] = {}
 
@@ -30,25 +30,19 @@ def _key(weight: torch.Tensor) -> tuple:
 
 
 def packs(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and weight.dim() == 2
+    return (weight.device.type == "cpu" and weight.dtype in CPU_PACKED_LINEAR_DTYPES and weight.dim() == 2
             and torch.backends.mkldnn.is_available())
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Packs the weight of every layer whose matmul is one of kiln's linear ops (`ops`); returns
-    the bytes the packed copies take (the weights stay: the graph and tied embeddings read them)."""
-    from kiln.ops.linear import act_and_mul_linear_op, skinny_linear_op
-
-    ops = (skinny_linear_op, act_and_mul_linear_op)
-    total, seen = 0, set()
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if getattr(module, "matmul", None) not in ops or not isinstance(weight, torch.Tensor) or not packs(weight):
-            continue
+def pack_linear_weights(weights: Iterable[torch.Tensor]) -> int:
+    """Packs each of `weights` (kiln.ops.linear.kiln_linear_weights: the layers whose matmul is
+    one of kiln's linear ops) that packs; returns the bytes the packed copies take (the weights
+    stay: the graph and tied embeddings read them)."""
+    total = 0
+    for weight in weights:
         key = _key(weight)
-        if key in seen:
+        if key in _packed or not packs(weight):
             continue
-        seen.add(key)
         with torch.inference_mode():
             _packed[key] = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         weakref.finalize(weight, _packed.pop, key, None)
