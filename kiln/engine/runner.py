@@ -134,7 +134,8 @@ class ModelRunner:
         if "skinny_linear" in self.custom_ops and self.device.type == "cpu":
             with timeline.phase("pack_weights"):
                 packed = pack_linear_weights(kiln_linear_weights(self.model))
-            logger.info("linear weights prepacked for oneDNN: %.0f MB", packed / 2**20)
+            if packed:  # bf16 only: fp32 with an explicit +skinny_linear packs nothing
+                logger.info("linear weights prepacked for oneDNN: %.0f MB", packed / 2**20)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # On a fresh machine kiln's own Triton kernels are compiled in parallel processes (see
         # kiln.compile.triton_precompile) before the real warm-up runs and captures, which then

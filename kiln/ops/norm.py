@@ -64,8 +64,9 @@ def _cpu_kernel_for(*tensors: torch.Tensor):
 @rms_norm_op.register_kernel("cpu")
 def _(x, weight, eps, unit_offset=False):
     kernel = _cpu_kernel_for(x, weight)
-    return rms_norm_native(x, weight, eps, unit_offset) if kernel is None else kernel.rms_norm(x, weight, eps,
-                                                                                               unit_offset)
+    if kernel is None:
+        return rms_norm_native(x, weight, eps, unit_offset)
+    return kernel.rms_norm(x, weight, eps, unit_offset)
 
 
 @torch.library.custom_op("kiln::fused_add_rms_norm", mutates_args=())
