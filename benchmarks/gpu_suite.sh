@@ -22,7 +22,7 @@ run() {
 # Parts, in the order they run; name some to run only those (a device call lasts at most
 # 10 minutes, and all of them together take longer: split them over two calls, e.g.
 # `bash benchmarks/gpu_suite.sh kernels graphs tiles` then `... engine cache bench`).
-# partition, prefix, prefix-steps, families, cache-nopyc, fresh, decode, reference, throughput, serving and tp (not in the default list):
+# attention, attention-sweep, partition, prefix, prefix-steps, families, cache-nopyc, fresh, decode, reference, throughput, serving and tp (not in the default list):
 # Inductor's partitions under CUDA graphs, prefix caching's TTFT, the model families, the cache part without cached bytecode, a fresh
 # machine's start, kiln's decode beside the stock loop, that loop alone, offline throughput, online serving, and
 # the tensor-parallel comparison (2 GPUs).
@@ -43,6 +43,10 @@ for part in $parts; do
                            "O2 partition FULL_AND_PIECEWISE" "static compile decode" ;;
         # Decode attention at batches 64 and 256 (tiles, warps, stages, splits, early values).
         tiles-large) run python benchmarks/attention_tiles.py --large-batches --out "$OUT" ;;
+        # Decode attention at batches 64-256, contexts 128-4096, each layer reading its own cache, against
+        # the byte floor, and a 2048-token prefill against the matmul rate (attention-sweep: every tile too).
+        attention) run python benchmarks/decode_attention.py --quick --out "$OUT" ;;
+        attention-sweep) run python benchmarks/decode_attention.py --out "$OUT" ;;
         engine) run python benchmarks/engine_throughput.py --device cuda --model llama-3-8b --out "$OUT" ;;
         # Dynamo alone (a CPU trace) under this machine's torch: can it stamp layers?
         dynamo) run python benchmarks/dynamo_trace.py --runs 3 --out "$OUT" ;;
@@ -78,7 +82,7 @@ for part in $parts; do
         bench) run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT" ;;
         # Needs 2 GPUs (nvidia-h200-x2): TP=1 against TP=2, with and without sequence parallelism.
         tp) run python benchmarks/tp_decode.py --out "$OUT" --modes graphs O2 O2+SP --batches 1 64 --timeout 150 ;;
-        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large partition prefix prefix-steps families engine dynamo cache cache-nopyc fresh decode reference throughput serving bench tp" >&2; exit 2 ;;
+        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large attention attention-sweep partition prefix prefix-steps families engine dynamo cache cache-nopyc fresh decode reference throughput serving bench tp" >&2; exit 2 ;;
     esac
 done
 exit $status

@@ -550,11 +550,21 @@ def test_paged_attention_decode_with_padding_sequences(kv_splits):
     assert_attention_matches(batch, batch.kernel_output(kv_splits=kv_splits), batch.reference_output())
 
 
+@pytest.mark.parametrize("kv_splits", [1, 4])
+def test_paged_attention_decode_with_heads_first_grid(kv_splits):
+    # The grid ordered (kv heads, tiles, splits): same programs, another launch order; the split
+    # merge's counters and partials are indexed by tile and kv head alike.
+    batch = PagedBatch(query_lens=[1, 0, 1, 1], seq_lens=[40, 0, 300, 1], num_heads=8, num_kv_heads=2,
+                       head_dim=64, block_size=16)
+    tiles = AttentionTiles(block_m=16, block_n=32, num_warps=2, num_stages=2, heads_first=True)
+    assert_attention_matches(batch, batch.kernel_output(tiles=tiles, kv_splits=kv_splits), batch.reference_output())
+
+
 def test_paged_attention_decode_tiles_of_a_large_batch():
-    # What a decode batch that fills the GPU gets (64-key tiles, 2 stages), on contexts that are
-    # not tile multiples.
+    # What a decode batch that fills the GPU gets (64-key tiles, 3 stages, a sequence's kv heads
+    # side by side), on contexts that are not tile multiples.
     tiles = choose_tiles(1, 4, 128, programs=64 * 8, device=torch.device(DEVICE))
-    assert (tiles.block_n, tiles.num_stages) == (64, 2)
+    assert (tiles.block_n, tiles.num_stages, tiles.heads_first) == (64, 3, True)
     assert choose_tiles(1, 4, 128, programs=8, device=torch.device(DEVICE)).block_n == 128
     batch = PagedBatch(query_lens=[1] * 5, seq_lens=[160, 1, 65, 129, 300], num_heads=8, num_kv_heads=2,
                        head_dim=128, block_size=16, dtype=torch.float16)
@@ -686,7 +696,7 @@ def _compile_all_for_sm90() -> None:
               dict(attention_args, query_ptr=pointer, key_cache_ptr=pointer, value_cache_ptr=pointer, out_ptr=pointer),
               dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DIM=head_dim,
                    KV_SPLITS=splits, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", ONE_QUERY=one_query,
-                   HAS_WINDOW=window, HAS_SOFTCAP=softcap),
+                   HAS_WINDOW=window, HAS_SOFTCAP=softcap, HEADS_FIRST=one_query and head_dim == 128),
               4, stages)
     # The MoE grouped GEMM: both launches (gate/up of the routed rows, weighted down), decode and prefill blocks.
     moe_args = dict(a_ptr=bf16, b_ptr=bf16, c_ptr=bf16, weight_ptr="*fp32", sorted_pairs_ptr="*i32",

@@ -99,6 +99,7 @@ class AttentionTiles:
     block_n: int  # keys per step of the context loop
     num_warps: int
     num_stages: int | None = None  # software-pipelining depth; None: Triton's default
+    heads_first: bool = False  # grid (kv heads, tiles, splits) rather than (tiles, kv heads, splits)
 
 
 def choose_tiles(max_query_len: int, group: int, head_dim: int, programs: int = 1,
@@ -116,15 +117,16 @@ def choose_tiles(max_query_len: int, group: int, head_dim: int, programs: int = 
         # programs do not fill the GPU (batches 1 and 8: 1.1-1.2x faster than 4).
         return AttentionTiles(block_m=block_m, block_n=32, num_warps=8 if programs < 2 * sms else 4, num_stages=2)
     # Decode (benchmarks/attention_tiles.py on the H200): a small batch, whose programs do not
-    # fill the GPU, keeps more loads in flight with 128-key tiles (1.1-1.7x faster than 64); once
-    # there are a few programs per SM, 64-key tiles pipelined 2 deep win (1.1-1.4x at batch 64
-    # and 256, contexts 160 and 1000); with 15 or more per SM (batch 256), 32-key tiles of 2 warps
-    # win again (1.15x at context 160, 1.03x at 1000). A CUDA graph is captured for every context
-    # length, so the tiles follow the batch alone.
-    if programs >= 8 * sms:
-        return AttentionTiles(block_m=block_m, block_n=32, num_warps=2, num_stages=2)
+    # fill the GPU, keeps more loads in flight with 128-key tiles (1.1-1.7x faster than 64). From a
+    # few programs per SM on, benchmarks/decode_attention.py (each layer reading its own cache, as
+    # in a step) chose 64-key tiles of 2 warps pipelined 3 deep (batch 64: 2-3% faster than 4 warps
+    # 2 deep) and, from 6 per SM (batch 128, 256), 32-key tiles of 2 warps (batch 128: 8% faster);
+    # a sequence's kv heads launched side by side were 0-2% faster than head by head. A CUDA graph
+    # is captured for every context length, so the tiles follow the batch alone.
+    if programs >= 6 * sms:
+        return AttentionTiles(block_m=block_m, block_n=32, num_warps=2, num_stages=2, heads_first=True)
     if programs >= 2 * sms:
-        return AttentionTiles(block_m=block_m, block_n=64, num_warps=4, num_stages=2)
+        return AttentionTiles(block_m=block_m, block_n=64, num_warps=2, num_stages=3, heads_first=True)
     return AttentionTiles(block_m=block_m, block_n=128, num_warps=4)
 
 
@@ -230,7 +232,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
         partial_sum = torch.empty_like(partial_max)
         partial_acc = torch.empty(*partial_max.shape, block_dim, dtype=torch.float32, device=query.device)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    paged_attention_kernel[(num_tiles, num_kv_heads, splits)](
+    if tiles.heads_first and num_tiles > 65535:  # a grid's second dimension holds at most 65535
+        raise ValueError(f"paged_attention: heads_first tiles take at most 65535 tiles, got {num_tiles}")
+    grid = (num_kv_heads, num_tiles, splits) if tiles.heads_first else (num_tiles, num_kv_heads, splits)
+    paged_attention_kernel[grid](
         query, key_cache, value_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         partial_acc, partial_max, partial_sum, counters, num_seqs, scale * math.log2(math.e),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
@@ -240,7 +245,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
         BLOCK_N=tiles.block_n, BLOCK_DIM=block_dim, KV_SPLITS=splits,
         # fp32 inputs would otherwise be multiplied in tf32 on the GPU
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", ONE_QUERY=one_query,
-        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
+        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HEADS_FIRST=tiles.heads_first,
         num_warps=tiles.num_warps,
         **({"num_stages": tiles.num_stages} if tiles.num_stages is not None else {}),
     )

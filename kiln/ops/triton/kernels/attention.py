@@ -97,10 +97,17 @@ def paged_attention_kernel(
     cache_block_stride, cache_slot_stride, cache_head_stride, block_size, window, softcap_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_DIM: tl.constexpr, KV_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ONE_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ONE_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # HEADS_FIRST: the grid is (kv heads, tiles, splits), so a sequence's kv heads run side by side
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        tile = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
 
@@ -145,7 +152,7 @@ def paged_attention_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         # partials are [tokens, query heads, KV_SPLITS (, BLOCK_DIM)], contiguous fp32
-        first_row = (token * (tl.num_programs(1) * GROUP) + head) * KV_SPLITS
+        first_row = (token * (num_kv_heads * GROUP) + head) * KV_SPLITS
         tl.store(partial_max_ptr + first_row + split, row_max, mask=row_valid)
         tl.store(partial_sum_ptr + first_row + split, row_sum, mask=row_valid)
         tl.store(partial_acc_ptr + (first_row + split)[:, None] * BLOCK_DIM + dims[None, :], acc, mask=io_mask)
@@ -153,7 +160,7 @@ def paged_attention_kernel(
         # thread's partials are stored before the arrival is published (release), and the last
         # arriver's acquire makes the other programs' visible; it reads them at L2 (.cg).
         tl.debug_barrier()
-        counter = counter_ptr + tile * tl.num_programs(1) + kv_head
+        counter = counter_ptr + tile * num_kv_heads + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == KV_SPLITS - 1:
             splits = tl.arange(0, KV_SPLITS)
             split_max = tl.load(partial_max_ptr + first_row[:, None] + splits[None, :], mask=row_valid[:, None],
