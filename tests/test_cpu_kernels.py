@@ -2,15 +2,16 @@
 and torch's SDPA for prompt chunks and, unbuilt, decode batches) against the Python reference: one
 call for a step's decode rows and prefill chunks, GQA, windows, soft-capping, fp32 and bf16; an
 engine on it gives the reference's tokens; a start without a build runs the reference and builds
-nothing. RMSNorm and residual add + RMSNorm against the native path."""
+nothing. RMSNorm and residual add + RMSNorm against the native path; the KV-cache write against
+the reference's."""
 
 import logging
 
 import pytest
 import torch
 
-from kiln.ops.attention import paged_attention_cpu
-from kiln.ops.attention_reference import paged_attention_reference
+from kiln.ops.attention import paged_attention_cpu, write_kv_cpu
+from kiln.ops.attention_reference import paged_attention_reference, write_kv_reference
 from kiln.ops.cpu import extension
 
 from test_attention_reference import _metadata
@@ -188,3 +189,36 @@ def test_rms_norm_kernel_rounds_bf16_as_torch_does_nan_included(built):
     row[0, 3] = float("nan")
     out = extension.kernel().rms_norm(row, weight, 1e-6, False)
     assert out[0].isnan().all() and not out[1].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_kernel_matches_the_reference_padding_and_strided_rows_included(built, dtype):
+    gen = torch.Generator().manual_seed(5)
+    # keys and values as the fused qkv projection leaves them: views with strided rows
+    qkv = torch.randn(600, (4 + 2 + 2) * 16, generator=gen).to(dtype)
+    key, value = qkv[:, 64:96].view(600, 2, 16), qkv[:, 96:].view(600, 2, 16)
+    slots = torch.randperm(40 * 16, generator=gen)[:600]
+    slots[[3, 250, 599]] = -1  # padding: left alone
+    theirs, ours = torch.full((2, 40, 16, 2, 16), 7.0, dtype=dtype), torch.full((2, 40, 16, 2, 16), 7.0, dtype=dtype)
+    write_kv_reference(key, value, theirs, slots)
+    extension.kernel().write_kv(key.view(600, -1), value.view(600, -1), ours, slots)
+    assert torch.equal(ours, theirs)
+    assert ours.eq(7.0).sum() == 2 * (40 * 16 - 597) * 32
+
+
+def test_kv_write_routes_to_the_kernel_and_refuses_bad_input(built, monkeypatch):
+    cache = torch.zeros(2, 4, 4, 1, 8)
+    calls = []
+    real = extension.kernel
+    monkeypatch.setattr("kiln.ops.attention.cpu_kernel", lambda: calls.append(1) or real())
+    write_kv_cpu(torch.ones(2, 1, 8), torch.ones(2, 1, 8), cache, torch.tensor([1, 9]))
+    assert calls and cache[:, 0, 1].eq(1).all() and cache[:, 2, 1].eq(1).all() and cache.sum() == 4 * 8
+    write_kv_cpu(torch.ones(1, 1, 8, dtype=torch.float64), torch.ones(1, 1, 8, dtype=torch.float64), cache,
+                 torch.tensor([2]))  # another dtype: the reference converts
+    assert cache[:, 0, 2].eq(1).all()
+    with pytest.raises(RuntimeError, match="slot 16 is past the cache's 16"):
+        real().write_kv(torch.ones(1, 8), torch.ones(1, 8), cache, torch.tensor([16]))
+    with pytest.raises(RuntimeError, match="must have the cache's dtype"):
+        real().write_kv(torch.ones(1, 8).half(), torch.ones(1, 8).half(), cache, torch.tensor([0]))
+    with pytest.raises(RuntimeError, match=r"must be \[tokens, 8\]"):
+        real().write_kv(torch.ones(1, 4), torch.ones(1, 4), cache, torch.tensor([0]))

@@ -44,13 +44,22 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, layer_name: str) -> t
 
             write_kv(key, value, kv_cache, slot_mapping)
         else:
-            write_kv_reference(key, value, kv_cache, slot_mapping)
+            write_kv_cpu(key, value, kv_cache, slot_mapping)
     return key.new_empty(0)
 
 
 @kv_cache_write.register_fake
 def _(key, value, layer_name):
     return key.new_empty(0)
+
+
+def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The built C++ write where there is one and the cache has the keys' dtype, else the reference."""
+    kernel = cpu_kernel()
+    if kernel is None or key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
+        write_kv_reference(key, value, kv_cache, slot_mapping)
+    else:
+        kernel.write_kv(key.view(key.shape[0], -1), value.view(value.shape[0], -1), kv_cache, slot_mapping)
 
 
 def _layer_cache(layer_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -78,7 +87,7 @@ def rotary_kv_cache_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Ten
     q2, k2 = rotary_native(positions, q2, k2, cos_sin_cache, head_dim)
     q, k = q2.view(shape_q), k2.view(shape_k)
     if cache is not None:
-        write_kv_reference(k, v, *cache)
+        write_kv_cpu(k, v, *cache)
     return q, k, q.new_empty(0)
 
 

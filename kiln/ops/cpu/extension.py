@@ -1,4 +1,4 @@
-"""kiln's CPU kernels (paged attention, RMSNorm: the .cpp files here): built once, loaded by every start.
+"""kiln's CPU kernels (paged attention, RMSNorm, the KV-cache write: the .cpp files here): built once, loaded by every start.
 
 Building takes a compiler and tens of seconds, so a serving start never builds: `kiln prewarm
 --device cpu` (or build()) compiles it into the cache root, keyed by the source, torch and this
@@ -21,7 +21,9 @@ import torch
 
 logger = logging.getLogger("kiln")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp",
+                                                        "kv_cache_write.cpp")]
+HEADERS = [Path(__file__).with_name("float_bits.h")]
 NAME = "kiln_cpu_attention"
 # The machine's own vector units; expf without errno, so that the softmax's exponentials
 # vectorise. OpenMP because at::parallel_for is a header whose `omp parallel` is compiled here:
@@ -46,7 +48,7 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def _build_key() -> str:
-    parts = [*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS + LDFLAGS).encode(),
+    parts = [*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(CFLAGS + LDFLAGS).encode(),
              torch.__version__.encode(), _cpu_flags().encode(), sys.version.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 

@@ -15,6 +15,8 @@
 #include <limits>
 #include <vector>
 
+#include "float_bits.h"
+
 namespace {
 
 constexpr int64_t kChunk = 32;          // keys scored before the accumulators are rescaled once
@@ -26,7 +28,7 @@ constexpr int64_t kPrefillChunk = 256;  // keys per matmul there
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
 #pragma omp simd
-    for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+    for (int64_t d = 0; d < n; ++d) dst[d] = as_float(src[d]);
 }
 
 struct Item {
@@ -104,7 +106,7 @@ void attend_tile_gemm(const T* q_base, const T* k_base, const T* v_base, T* out_
     for (int64_t r = 0; r < rows; ++r) {
         T* dst = out_base + ((first_token + r / group) * num_q_heads + kv_head * group + r % group) * head_dim;
         const float inv = running_sum[r] > 0.f ? 1.f / running_sum[r] : 0.f;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(ap[r * head_dim + d] * inv);
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<T>(ap[r * head_dim + d] * inv);
     }
 }
 
@@ -189,7 +191,7 @@ void attend(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
                             const float* qr = q.data() + r * head_dim;
                             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-                            for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * static_cast<float>(kp[d]);
+                            for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * as_float(kp[d]);
                             finish(r, c, dot);
                         }
                     }
@@ -254,7 +256,7 @@ void attend(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
                 T* dst = out_base +
                          ((tile.first_token + r / group) * num_q_heads + kv_head * group + r % group) * head_dim;
                 const float inv = running_sum[r] > 0.f ? 1.f / running_sum[r] : 0.f;
-                for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[r * head_dim + d] * inv);
+                for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<T>(acc[r * head_dim + d] * inv);
             }
         }
     });
