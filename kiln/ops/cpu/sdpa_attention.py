@@ -44,18 +44,46 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     skip = first % block_size
     key = kv_cache[0, blocks].flatten(0, 1)[skip: skip + length - first]
     value = kv_cache[1, blocks].flatten(0, 1)[skip: skip + length - first]
+    if window == 0 and n < length:
+        return _later_chunk(query, key, value, scale)
     if window > 0:
         positions = torch.arange(length - n, length)[:, None]
         keys = torch.arange(first, length)[None, :]
         mask = (keys <= positions) & (keys > positions - window)
     else:
-        # A whole prompt (n == length) runs as is_causal, no mask; a later chunk gets an n x length
-        # mask from torch (2048 x 8192 bools at most by default: 16 MB).
-        mask = causal_lower_right(n, length)
+        mask = causal_lower_right(n, length)  # a whole prompt (n == length): is_causal, no mask
     out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
                                          value.transpose(0, 1)[None], attn_mask=mask, scale=scale,
                                          enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def _later_chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """A chunk of n queries after a prefix: every query sees the whole prefix, and the chunk's own
+    n keys causally. As one SDPA call that takes an n x length mask, which flash attention applies
+    to every block; as two calls, the prefix unmasked and the chunk's square as is_causal (whose
+    blocks above the diagonal are skipped), merged by their log-sum-exps: 2048 queries over 8000
+    keys 175 -> 125 ms in fp32 (SmolLM2 heads, 2 threads), the same error against fp64."""
+    n, q_heads, head_dim = query.shape
+    kv_heads = key.shape[1]
+    group, prefix = q_heads // kv_heads, key.shape[0] - n
+    q = query.transpose(0, 1)[None]  # [1, Hq, n, D]
+    k, v = key.transpose(0, 1)[None], value.transpose(0, 1)[None]
+    # Over the prefix, a kv head's query heads are just more rows: no repeated K and V.
+    out_prefix, lse_prefix = _flash(q.reshape(1, kv_heads, group * n, head_dim), k[:, :, :prefix], v[:, :, :prefix],
+                                    is_causal=False, scale=scale)
+    out_prefix, lse_prefix = out_prefix.reshape(1, q_heads, n, head_dim), lse_prefix.reshape(1, q_heads, n)
+    out_chunk, lse_chunk = _flash(q, k[:, :, prefix:].repeat_interleave(group, 1),
+                                  v[:, :, prefix:].repeat_interleave(group, 1), is_causal=True, scale=scale)
+    lse = torch.logaddexp(lse_prefix, lse_chunk)
+    out = (out_prefix.float() * torch.exp(lse_prefix - lse)[..., None]
+           + out_chunk.float() * torch.exp(lse_chunk - lse)[..., None])
+    return out[0].transpose(0, 1).to(query.dtype)
+
+
+def _flash(q, k, v, *, is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # The CPU flash kernel SDPA dispatches to, called directly for its log-sum-exp.
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
 
 
 def decode_fits(num_rows: int, max_len: int, kv_cache: torch.Tensor) -> bool:
