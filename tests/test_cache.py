@@ -392,15 +392,3 @@ def test_a_damaged_index_is_a_warning_and_is_rebuilt(copy_of, caplog):
     with caplog.at_level(logging.WARNING, logger="kiln.compile"):
         assert CacheRoot(root).read_index(index.stem) is None
     assert f"index {index} is damaged" in caplog.text and not index.exists()
-
-
-def test_the_preload_hands_the_gil_over_often_while_it_runs_and_restores_the_interval(monkeypatch):
-    from kiln.compile.cache import preload as preload_module
-
-    seen = []
-    monkeypatch.setattr(preload_module, "_torch_key", lambda: seen.append(sys.getswitchinterval()))
-    before = sys.getswitchinterval()
-    p = preload_module.Preload(torch.device("cpu")).start()
-    p.wait()
-    assert seen == [pytest.approx(min(before, preload_module.SWITCH_INTERVAL_S))]
-    assert sys.getswitchinterval() == before and not p.errors

@@ -8,11 +8,7 @@ on CUDA, Triton's key and backend hash (a hash of Triton's sources, and the comp
 
 None of it depends on the model, so the engine starts it before the weights load, and the warm
 start joins it before it touches the cache (the wait is part of the timed warm start, so the
-compile phase never looks shorter than what the start-up waited for). While it runs, the
-interpreter hands the GIL over every 0.5 ms instead of every 5: the imports hold the GIL, and
-each op of the weight loading releases it and then waited out a whole 5 ms slice to get it back
-(that convoy made the -O2 weights phase 1.60 s on the H200 against 0.24 s without a preload).
-Only where a warm start
+compile phase never looks shorter than what the start-up waited for). Only where a warm start
 is likely: mode 3 with the compile cache on, and an entry of this model on this device type in
 the cache. Nothing here changes a result: every call is a cached function torch would call on
 first use anyway, and a failure only means the warm start does the work itself.
@@ -22,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
 import threading
 import time
 
@@ -48,8 +43,6 @@ COMMON_MODULES = (
     "torch._functorch._aot_autograd.subclass_codegen",
     "torch.fx.experimental.validator",
 )
-# The GIL's hand-over interval while the preload runs (Python's default is 5 ms).
-SWITCH_INTERVAL_S = 0.0005
 DEVICE_MODULES = {
     "cpu": ("torch._inductor.codegen.cpp", "torch._inductor.cpu_vec_isa", "torch._inductor.cpp_builder",
             "torch.utils.cpp_extension"),
@@ -74,13 +67,7 @@ class Preload:
         self.waited = False
 
     def start(self) -> "Preload":
-        self.switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self.switch_interval, SWITCH_INTERVAL_S))
-        try:
-            self.thread.start()
-        except Exception:
-            sys.setswitchinterval(self.switch_interval)
-            raise
+        self.thread.start()
         return self
 
     def wait(self) -> float:
@@ -103,14 +90,11 @@ class Preload:
         self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - start
 
     def _run(self) -> None:
-        try:
-            for module in COMMON_MODULES + DEVICE_MODULES.get(self.device.type, ()):
-                self._step("imports", lambda m=module: importlib.import_module(m))
-            self._step("torch_key", _torch_key)
-            if self.device.type == "cuda":
-                self._step("triton_key", lambda: _triton_keys(self.cuda_index))
-        finally:
-            sys.setswitchinterval(self.switch_interval)
+        for module in COMMON_MODULES + DEVICE_MODULES.get(self.device.type, ()):
+            self._step("imports", lambda m=module: importlib.import_module(m))
+        self._step("torch_key", _torch_key)
+        if self.device.type == "cuda":
+            self._step("triton_key", lambda: _triton_keys(self.cuda_index))
 
 
 def _torch_key() -> None:
