@@ -1,6 +1,7 @@
 """kiln.compile.triton_precompile without a GPU: kernels compiled for sm_90 in worker processes
 land in Triton's cache dir under the key the parent's own compile looks up, and the launch
-hook records a missing kernel (and skips it) but lets a cached one through.
+hook records a missing kernel (and skips it, its later launches without a cache lookup) but lets
+a cached one through.
 
 Triton's launch path needs a GPU driver, so the hook is called the way JITFunction._do_compile
 calls it, with the specialization a launch of the RMSNorm kernel would have. The checks run
@@ -56,9 +57,16 @@ def _check() -> None:
         return kernel._call_hook(recorder._hook, (block, tuple(signature.values())), signature, 0, constexprs, options, [attrs],
                                  False)
 
+    import kiln.compile.triton_precompile as precompile
+
+    lookups = []
+    real_in_cache = precompile.in_cache
+    precompile.in_cache = lambda *args: lookups.append(args) or real_in_cache(*args)
     recorder = MissingKernels(target)
     assert launch(rms_norm_kernel, 4096, recorder) is True  # nothing cached: recorded and skipped
     assert launch(rms_norm_kernel, 4096, recorder) is True
+    assert len(lookups) == 1  # a recorded kernel's next launch does not look in the cache again
+    precompile.in_cache = real_in_cache
     assert launch(rms_norm_kernel, 2048, recorder) is True
     assert launch(fused_add_rms_norm_kernel, 4096, recorder) is True
     assert len(recorder.launches) == 3, recorder.launches  # one per specialization

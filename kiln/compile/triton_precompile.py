@@ -100,11 +100,15 @@ class MissingKernels(contextlib.AbstractContextManager):
 
     def _hook(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled) -> bool:
         specialization = compile["specialization_data"]
+        if specialization in self.launches:
+            # Recorded kernels stay uncompiled, so each later launch of one (every layer, every
+            # bucket) comes back here: skip the cache lookup, which hashes the kernel's source.
+            return True
         jit = fn.jit_function
         if in_cache(jit, specialization, self.target):
             return False  # compiles as usual: a load from the cache dir
-        self.launches.setdefault(specialization, KernelLaunch(fn.module, jit.fn.__code__.co_filename,
-                                                              jit.fn.__name__, specialization))
+        self.launches[specialization] = KernelLaunch(fn.module, jit.fn.__code__.co_filename, jit.fn.__name__,
+                                                     specialization)
         return True  # Triton neither compiles nor launches it
 
 
