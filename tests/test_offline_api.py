@@ -142,3 +142,25 @@ def test_llm_takes_vllm_s_compilation_config_name(tmp_path):
         LLM("tiny-llama", device="cpu", compilation_config=0, compilation={"mode": 0})
     llm = LLM("tiny-llama", device="cpu", compilation_config=0, num_kv_blocks=64)
     assert llm.engine.config.compilation.mode == 0
+
+
+def test_generate_takes_vllm_s_prompt_dicts_and_refuses_other_shapes(llm):
+    import torch
+
+    params = SamplingParams(max_tokens=4, temperature=0)
+    text = "The capital of France is"
+    ids = llm.get_tokenizer().encode(text)
+    plain = [o.outputs[0].token_ids for o in llm.generate([text, ids, list(torch.tensor(ids))], params, use_tqdm=False)]
+    assert plain[0] == plain[1] == plain[2]  # torch integers are token ids too
+    dicts = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == plain[:2]
+    assert dicts[0].prompt == text and dicts[1].prompt is None and dicts[1].prompt_token_ids == ids
+    assert llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids == plain[0]
+    for bad, message in (({"prompt": text, "prompt_token_ids": ids}, "either 'prompt'"),
+                         ({"text": text}, r"got keys \['text'\]"),
+                         ({"prompt_token_ids": ids[:2] + ["a"]}, "must be integers, got str 'a'"),
+                         (ids[:2] + [2.5], "must be integers, got float 2.5"),
+                         ({"prompt": text, "multi_modal_data": {"image": None}}, "text models only")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate([text, bad], params, use_tqdm=False)
+        assert not llm.engine.has_unfinished()  # the good prompt before it was taken back

@@ -31,13 +31,16 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+    def generate(self, prompts: str | dict | list[int] | list[str | dict | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion, batched together; outputs in prompt order.
-        `use_tqdm`: a progress bar over the requests (on a terminal)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Run every prompt to completion, batched together; outputs in prompt order. A prompt is
+        text, a list of token ids, or as vLLM's prompt dicts {"prompt": text} (TextPrompt) or
+        {"prompt_token_ids": ids} (TokensPrompt). `use_tqdm`: a progress bar over the requests
+        (on a terminal)."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [_prompt(p) for p in prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
@@ -71,3 +74,18 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self.generate([self.tokenizer.encode_chat(c) for c in conversations], sampling_params, use_tqdm)
+
+
+def _prompt(prompt):
+    """Text or token ids from one of generate's prompt shapes."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt) - {"multi_modal_data", "mm_processor_kwargs"}
+    if prompt.get("multi_modal_data") is not None:
+        raise ValueError("multi_modal_data: kiln serves text models only; leave it out")
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
+        return prompt["prompt_token_ids"]
+    raise ValueError(f"a prompt dict holds either 'prompt' (text) or 'prompt_token_ids' (a list of ints), as "
+                     f"vLLM's TextPrompt and TokensPrompt; got keys {sorted(prompt)}")

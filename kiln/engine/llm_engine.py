@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import operator
 import time
 
 from kiln.config import EngineConfig
@@ -88,6 +89,7 @@ class LLMEngine:
                              f"{self.max_model_len} (max_model_len), prompt and output together; "
                              f"shorten the prompt")
         vocab = self.source.config.vocab_size
+        ids = _token_ids(ids)
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
@@ -249,3 +251,17 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop")
         elif seq.ends_by_length(seq.num_tokens, self.max_model_len):
             self.scheduler.finish(seq, "length")
+
+
+def _token_ids(ids: list) -> list[int]:
+    """Token ids as Python ints (numpy and torch integers too); anything else is refused."""
+    out = []
+    for t in ids:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            out.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"prompt token ids must be integers, got {type(t).__name__} {t!r}; pass text as a "
+                             f"string, or token ids as a list of ints") from None
+    return out
