@@ -20,6 +20,11 @@ For each start: engine_ready_s (the engine's own timeline, weights included), pr
 (process spawned to engine ready: imports too), compile_phase_s (dynamo + split + inductor +
 cache_load), capture_s (CUDA graphs), triton_compiles (kernels Triton compiled in the process),
 inductor_compiles, dynamo_graphs. JSON: --out/fresh_start_<device>.json.
+
+Most of a start is Python on one core, and the GPU machine's hosts differ: the same start took
+2.38 s on one lease and 5.87 s on another (2026-12-04). So the report also times a fixed
+pure-Python loop before and after the starts (host_python_s): compare starts from different
+runs only in proportion to it.
 """
 
 from __future__ import annotations
@@ -128,6 +133,18 @@ def reference_first_call(args, base: Path, pycache: Path) -> dict:
     return json.loads((box.dir / f"reference_decode_{args.device}.json").read_text())["results"][0]
 
 
+def host_python_s() -> float:
+    """Best of 5 of a fixed interpreter-bound loop: this host's speed at the kind of work a start is."""
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        total = 0
+        for i in range(3_000_000):
+            total += i % 7
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -147,7 +164,7 @@ def main() -> None:
     try:
         Sandbox(base, "prime", pycache).run([sys.executable, "-c", "import kiln.engine, kiln.compile.backend, "
                                              "torch._inductor.compile_fx"], args.timeout)
-        report = {"model": args.model, "device": args.device, "modes": {}}
+        report = {"model": args.model, "device": args.device, "host_python_s": [host_python_s()], "modes": {}}
         for mode in args.modes:
             report["modes"][mode] = measure_mode(args, mode, base, pycache)
             for case in ("cold", "imported", "warm"):
@@ -165,6 +182,9 @@ def main() -> None:
             except RuntimeError as e:  # kiln's numbers are kept; the failure is in the report
                 report["reference_error"] = str(e)
                 print(f"reference failed: {e}", flush=True)
+        report["host_python_s"].append(host_python_s())
+        print(f"host: a fixed Python loop {report['host_python_s'][0]:.3f} s before the starts, "
+              f"{report['host_python_s'][1]:.3f} s after", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     import torch
