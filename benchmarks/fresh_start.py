@@ -156,6 +156,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", default=".")
     args = p.parse_args()
+    if args.device == "cpu" and "default" in args.modes and not args.child:
+        p.error("the default mode keeps nothing in the cache on the CPU (no kernels, no graphs), so it has no "
+                "imported start: pass --modes O2")
     if args.child:
         child(args)
         return
