@@ -81,6 +81,34 @@ def test_a_failed_worker_compile_is_compiled_in_process(tiny_llama, tmp_path, ca
     torch.testing.assert_close(compiled(ids, pos), tiny_llama(ids, pos), rtol=1e-4, atol=1e-4)
 
 
+def test_workers_started_before_a_cold_start_compile_its_capture(tiny_llama, tmp_path, monkeypatch):
+    """The engine starts the workers before the weights load where no entry of the model is in
+    the cache; the capture then uses those, and starts none of its own."""
+    import kiln.compile.compile_workers as compile_workers
+    import kiln.compile.compiled_model as compiled_model
+
+    early = FailingWorkers()
+    monkeypatch.setattr(compile_workers, "CompileWorkers", lambda count: early)
+    monkeypatch.setattr(compiled_model, "CompileWorkers", lambda count: pytest.fail("a second pool started"))
+    config = CompilationConfig(**CONFIG, compile_workers=2)
+    cache = CompileCache(CacheRoot(tmp_path), {"test": "workers"}, "tiny")
+    compile_workers.start_before_cold_start(config, cache, "cpu")
+    assert cache.workers is early
+    compiled = compile_model(tiny_llama, config, 64, cache=cache)
+    compiled.warm_up(_inputs)
+    assert len(early.jobs) == 6 and cache.workers is None
+    assert compiled.entry.complete()
+
+    # Now an entry of the model is there: the next start is likely warm, and starts none early.
+    again = CompileCache(CacheRoot(tmp_path), {"test": "workers"}, "tiny")
+    compile_workers.start_before_cold_start(config, again, "cpu")
+    assert again.workers is None
+    # Nor with graph passes (they run in-process) or one worker.
+    fresh = CompileCache(CacheRoot(tmp_path / "fresh"), {"test": "workers"}, "tiny")
+    compile_workers.start_before_cold_start(CompilationConfig(**CONFIG, compile_workers=1), fresh, "cpu")
+    assert fresh.workers is None
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "two"])
 def test_compile_workers_must_be_a_count(bad):
     with pytest.raises(ValueError, match="compile_workers must be a count"):
@@ -95,3 +123,24 @@ def test_a_worker_is_told_where_the_ops_of_its_piece_are_defined():
         return torch.ops.kiln.rms_norm.default(x, w, 1e-5) + torch.ops.kiln.silu_and_mul(x) + x.sin()
 
     assert op_modules(torch.fx.symbolic_trace(piece)) == ["kiln.ops.activation", "kiln.ops.norm"]
+
+
+def test_workers_do_not_run_the_parents_main_script(tmp_path):
+    """A spawned process runs its parent's main script first unless told otherwise: a user's
+    script without an `if __name__ == "__main__"` guard would build an engine in every worker."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        "print('main ran', flush=True)\n"
+        "from kiln.compile.compile_workers import CompileWorkers\n"
+        "workers = CompileWorkers(1)\n"
+        "print('worker pid differs:', workers.pool.submit(os.getpid).result() != os.getpid(), flush=True)\n"
+        "workers.close()\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["main ran", "worker pid differs: True"]

@@ -6,16 +6,18 @@ model spent 8.8 s compiling its 3 unique pieces one after another on a 16-core H
 Workers compile the pieces at the same time, into the compile-cache entry; the parent
 then loads what they wrote, exactly as a warm start would.
 
-Workers are spawned, not forked (the parent may hold a CUDA context), when a cold capture
-begins, and each runs a warm-up task at once: their start-up (importing torch, Inductor
-and kiln's ops) overlaps Dynamo's trace in the parent.
+Workers are spawned, not forked (the parent may hold a CUDA context), and each runs a
+warm-up task at once: their start-up (importing torch and Inductor, a first compile: ~5 s
+on the H200 host) overlaps the weights' load and Dynamo's trace in the parent. Where the
+start is surely cold (no entry of the model in the cache) the engine starts them before the
+weights load (`start_before_cold_start`), otherwise they start when a cold capture begins.
+They skip the parent's main script (kiln.spawn).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import multiprocessing
 import os
 import pickle
 import time
@@ -23,6 +25,8 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+
+from kiln.spawn import SpawnContext
 
 # Fewer cores than this per worker and the workers only steal time from each other and from
 # Dynamo's trace in the parent (the 2-core CI machine compiles in-process).
@@ -32,6 +36,25 @@ MAX_WORKERS = 4
 
 def auto_worker_count() -> int:
     return min(MAX_WORKERS, (os.cpu_count() or 1) // CORES_PER_WORKER)
+
+
+def worker_count(config) -> int:
+    """How many workers `config` (a CompilationConfig) compiles with: 0 or 1 means in-process."""
+    return auto_worker_count() if config.compile_workers is None else config.compile_workers
+
+
+def start_before_cold_start(config, cache, device_type: str) -> None:
+    """Start the workers now, before the weights load, where a cold capture with workers is
+    certain to follow: mode 3 with Inductor pieces, no graph passes (they run in-process), and
+    no entry of this model on this device type in `cache` (a CompileCache), which keeps them
+    for the capture. The capture starts them itself otherwise."""
+    if (cache is None or config.mode != 3 or config.piece_compiler != "inductor" or config.passes
+            or config.debug_guards or worker_count(config) < 2 or cache.root.has_entry_for(cache.name, device_type)):
+        return
+    try:
+        cache.workers = CompileWorkers(worker_count(config))
+    except Exception:  # the capture tries again, and says why if it fails too
+        pass
 
 
 @dataclass
@@ -60,7 +83,7 @@ class PieceResult:
 class CompileWorkers:
     def __init__(self, count: int):
         self.count = count
-        self.pool = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"))
+        self.pool = ProcessPoolExecutor(count, mp_context=SpawnContext())
         # A pool spawns a process per task while none is idle: one warm-up task each starts them
         # all, now. Each compiles its Triton kernels itself: a pool of Inductor's own per worker
         # would start (and import torch) 16 more processes each, fighting Dynamo for the cores.

@@ -22,7 +22,7 @@ from kiln.compile.cache import CompileCache, ModelCache
 from kiln.compile.cache.key import compiler_factor, digest, env_factor, source_name
 from kiln.compile.cache.store import no_room, warn_no_room
 from kiln.compile.capture import Capture, checked_backend
-from kiln.compile.compile_workers import CompileWorkers, auto_worker_count
+from kiln.compile.compile_workers import CompileWorkers, worker_count
 from kiln.compile.config import CompilationConfig
 from kiln.compile.direct_call import DirectCall, call_spec
 from kiln.compile.monitor import CompileMonitor, logger
@@ -151,21 +151,27 @@ class CompiledModel:
         for name, seconds in entry.timings.items():  # the finer parts the entry measured
             self.monitor.warm_phase_add(name, seconds)
         self.monitor.warm_start_done(entry.key, time.perf_counter() - start)
+        if self.cache.workers is not None:  # started for a cold start that another process made warm
+            self.cache.workers.close()
+            self.cache.workers = None
         return True
 
     @contextlib.contextmanager
     def _compile_workers(self):
-        """Worker processes that compile the pieces of a cold capture side by side; started
-        before Dynamo traces, so their start-up overlaps the trace. None on small machines,
-        without the compile cache (they hand artifacts over through it) or with graph passes."""
-        count = self.config.compile_workers
-        count = auto_worker_count() if count is None else count
+        """Worker processes that compile the pieces of a cold capture side by side: the ones the
+        engine started before the weights loaded, else started here, before Dynamo traces, so
+        that their start-up overlaps the trace. None on small machines, without the compile
+        cache (they hand artifacts over through it) or with graph passes."""
         backend = self.backend
-        if count < 2 or self.cache is None or self.config.piece_compiler != "inductor" or backend.passes:
+        early, self.cache.workers = (self.cache.workers, None) if self.cache is not None else (None, None)
+        if worker_count(self.config) < 2 or self.cache is None or self.config.piece_compiler != "inductor" \
+                or backend.passes:
+            if early is not None:
+                early.close()
             yield
             return
         try:
-            backend.workers = CompileWorkers(count)
+            backend.workers = early or CompileWorkers(worker_count(self.config))
         except Exception as e:  # e.g. inside a daemonic process, which may not have children
             logger.warning("compile workers did not start (%s: %s); compiling in-process", type(e).__name__, e)
             yield

@@ -15,6 +15,7 @@ from kiln.compile import CompiledModel, compile_model
 from kiln.compile.cache import CompileCache
 from kiln.compile.cache import triton_kernels
 from kiln.compile.cache.preload import preload_if_warm
+from kiln.compile.compile_workers import start_before_cold_start
 from kiln.compile.triton_precompile import MissingKernels, compile_all, triton_target
 from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
 from kiln.cudagraph import CudagraphChoice, CudagraphDispatcher, ForwardCudagraphs, PackedStep, StepBuffers
@@ -127,6 +128,7 @@ class ModelRunner:
         # A warm start's once-per-process work (imports, torch's and Triton's keys) runs while the weights load,
         # and so does Triton's driver start (on a fresh machine it builds its C utilities first: ~0.7 s).
         preload_if_warm(config.compilation_config, cache, self.device)
+        start_before_cold_start(config.compilation_config, cache, self.device.type)
         target = _in_background(triton_target) if self.device.type == "cuda" else None
         with timeline.phase("weights"):
             self.model = build_model(source.config, self.dtype, self.device, self.custom_ops,

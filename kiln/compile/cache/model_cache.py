@@ -24,6 +24,9 @@ class CompileCache:
     # kiln.compile.cache.preload's thread, started by the engine when a warm start is likely;
     # the warm start joins it
     preload: object | None = field(default=None, repr=False, compare=False)
+    # kiln.compile.compile_workers', started by the engine before the weights load when the start
+    # is surely cold; the first cold capture takes them
+    workers: object | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_env(cls, model: dict, name: str = "") -> "CompileCache | None":
