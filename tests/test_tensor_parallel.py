@@ -11,6 +11,7 @@ must be equal.
 import contextlib
 import json
 import multiprocessing
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -210,3 +211,23 @@ def test_a_worker_killed_mid_request_fails_the_open_requests_and_stops_the_engin
         assert workers._procs == []  # the engine let go of its (dead) worker and left the group
 
     asyncio.run(main())
+
+
+def test_a_script_without_a_main_guard_runs_tensor_parallel(tmp_path):
+    """The workers are spawned without re-running the caller's script (kiln.spawn): no
+    `if __name__ == "__main__"` guard is needed around a tensor-parallel LLM (with plain
+    spawn this script hung: each worker ran it and started workers of its own)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        "print('main ran', flush=True)\n"
+        "from kiln import LLM, SamplingParams\n"
+        "llm = LLM('tiny-llama', device='cpu', num_kv_blocks=64, tensor_parallel_size=2)\n"
+        "out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))\n"
+        "print('tokens', len(out[0].outputs[0].token_ids), flush=True)\n"
+        "llm.shutdown()\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "KILN_LOGGING_LEVEL": "WARNING"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["main ran", "tokens 3"]
