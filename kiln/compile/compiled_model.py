@@ -163,7 +163,9 @@ class CompiledModel:
         that their start-up overlaps the trace. None on small machines, without the compile
         cache (they hand artifacts over through it) or with graph passes."""
         backend = self.backend
-        early, self.cache.workers = (self.cache.workers, None) if self.cache is not None else (None, None)
+        early = None
+        if self.cache is not None:
+            early, self.cache.workers = self.cache.workers, None
         if worker_count(self.config) < 2 or self.cache is None or self.config.piece_compiler != "inductor" \
                 or backend.passes:
             if early is not None:
