@@ -24,8 +24,8 @@ class CompileCache:
     # kiln.compile.cache.preload's thread, started by the engine when a warm start is likely;
     # the warm start joins it
     preload: object | None = field(default=None, repr=False, compare=False)
-    # kiln.compile.compile_workers', started by the engine before the weights load when the start
-    # is surely cold; the first cold capture takes them
+    # kiln.compile.compile_workers.CompileWorkers, started by the engine before the weights load
+    # when the start is surely cold; the first cold capture takes them
     workers: object | None = field(default=None, repr=False, compare=False)
 
     @classmethod
