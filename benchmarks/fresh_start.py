@@ -19,7 +19,9 @@ Bytecode is cached under a prefix, as on a pip install, primed by one untimed im
 For each start: engine_ready_s (the engine's own timeline, weights included), process_ready_s
 (process spawned to engine ready: imports too), compile_phase_s (dynamo + split + inductor +
 cache_load), capture_s (CUDA graphs), triton_compiles (kernels Triton compiled in the process),
-inductor_compiles, dynamo_graphs. JSON: --out/fresh_start_<device>.json.
+inductor_compiles, dynamo_graphs, compile_workers_warm_s and compile_workers_jobs_s (a cold
+start with compile workers: seconds from their spawn until the last was warm, and until the
+pieces were handed to them; 0 without workers). JSON: --out/fresh_start_<device>.json.
 
 Most of a start is Python on one core, and the GPU machine's hosts differ: the same start took
 2.38 s on one lease and 5.87 s on another (2026-12-04). So the report also times a fixed
@@ -71,6 +73,7 @@ def child(args: argparse.Namespace) -> None:
         "precompile_s": triton_kernels.counts()["precompile_s"],
         "precompile_kernel_s": triton_kernels.counts()["precompile_kernel_s"],
         "inductor_compiles": stats["inductor_compiles"], "dynamo_graphs": stats["graphs_seen"],
+        "compile_workers_warm_s": stats["workers_ready_s"], "compile_workers_jobs_s": stats["workers_jobs_s"],
         "describe": engine.runner.compiled.describe()}))
 
 
@@ -176,7 +179,9 @@ def main() -> None:
                       f"{r['process_ready_s']:6.2f} s, compile {r['compile_phase_s']:5.2f} s, capture "
                       f"{r['capture_s']:5.2f} s, Triton compiles {r['triton_compiles']} ({r['triton_compiled_in_workers']} in "
                       f"workers), kernels phase {r['phases_s'].get('kernels', 0):.2f} s, Inductor compiles "
-                      f"{r['inductor_compiles']}, Dynamo graphs {r['dynamo_graphs']}", flush=True)
+                      f"{r['inductor_compiles']}, Dynamo graphs {r['dynamo_graphs']}"
+                      + (f", compile workers warm at {r['compile_workers_warm_s']:.2f} s, jobs at "
+                         f"{r['compile_workers_jobs_s']:.2f} s" if r["compile_workers_warm_s"] else ""), flush=True)
         if not args.no_reference:
             try:
                 ref = reference_first_call(args, base, pycache)

@@ -36,6 +36,8 @@ def test_workers_compile_the_pieces_and_a_second_start_loads_them(tiny_llama, tm
     stats = cold.stats
     assert stats["graphs_seen"] == 1 and stats["unique_pieces"] == 3
     assert stats["inductor_compiles"] == 6 and stats["compiles_after_capture"] == 0
+    # Both ends of the workers' start-up are timed (warm-ups done, jobs handed over).
+    assert stats["workers_ready_s"] > 0 and stats["workers_jobs_s"] > 0
     assert cold.backend.workers is None  # the processes are gone once the capture is done
     for n in TOKEN_COUNTS:
         ids, pos = _inputs(n)
@@ -55,6 +57,7 @@ class FailingWorkers:
     """Stands in for the worker pool: every job fails, as a crashed compile would."""
 
     count = 2
+    timing = None
 
     def __init__(self):
         self.jobs = []

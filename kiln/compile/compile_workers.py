@@ -87,16 +87,24 @@ class CompileWorkers:
         # A pool spawns a process per task while none is idle: one warm-up task each starts them
         # all, now. Each compiles its Triton kernels itself: a pool of Inductor's own per worker
         # would start (and import torch) 16 more processes each, fighting Dynamo for the cores.
+        self.started = time.perf_counter()
+        self._ready_at: list[float] = []  # when each warm-up finished
         with _environment(TORCHINDUCTOR_COMPILE_THREADS="1", TORCH_WARM_POOL="0"):
             for _ in range(count):
-                self.pool.submit(_warm_up)
+                self.pool.submit(_warm_up).add_done_callback(lambda _: self._ready_at.append(time.perf_counter()))
+        self.timing: tuple[float, float] | None = None  # see compile()
 
     def compile(self, jobs: list[PieceJob]) -> Iterator[tuple[PieceJob, PieceResult]]:
         """Each job with its result, in the order they finish (so the caller loads one
         artifact while the workers still compile others)."""
+        handed_over = time.perf_counter()
         futures: dict[Future, PieceJob] = {self.pool.submit(_compile, job): job for job in jobs}
         for future in as_completed(futures):
             yield futures[future], future.result()
+        # (seconds from the workers' start until the last was warm, until the jobs came): where
+        # the first is larger, the jobs waited for the workers' start-up.
+        ready = max(self._ready_at, default=handed_over)
+        self.timing = (ready - self.started, handed_over - self.started)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

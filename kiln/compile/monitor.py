@@ -51,6 +51,9 @@ class CompileTimes:
     compile_s: float = 0.0  # piece compiler time (Inductor), at capture and later
     load_s: float = 0.0  # reading the compile cache: the split graph and piece artifacts
     total_s: float = 0.0  # the first call (capture, or a warm start from the cache), end to end
+    # Compile workers: from their start until the last one was warm, and until the jobs came.
+    workers_ready_s: float = 0.0
+    workers_jobs_s: float = 0.0
 
 
 # The parts of a warm start, in order (see CompiledModel._warm_start); they sum to its total
@@ -150,10 +153,14 @@ class CompileMonitor:
         # The cold start's summary line too, so one grep finds what every start paid.
         logger.info("torch.compile took %.2f s in total (a warm start from the compile cache)", seconds)
 
-    def compiled_in_workers(self, label: str, seconds: float) -> None:
-        """The wall time of a batch of worker compiles (loading their artifacts included)."""
+    def compiled_in_workers(self, label: str, seconds: float, timing: tuple[float, float] | None) -> None:
+        """The wall time of a batch of worker compiles (loading their artifacts included), and
+        the workers' CompileWorkers.timing."""
         self.times.compile_s += seconds
         self.shape_compiled(label, seconds)
+        if timing is not None:
+            self.times.workers_ready_s, self.times.workers_jobs_s = timing
+            logger.info("compile workers: warm %.2f s after their start, the jobs came at %.2f s", *timing)
 
     def shape_compiled(self, label: str, seconds: float) -> None:
         logger.info("Compiling a graph for %s took %.2f s", label, seconds)

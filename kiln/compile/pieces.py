@@ -162,7 +162,7 @@ class PieceSet:
                                                   result.fx_cache_hit, self.captured)
         shapes = ", ".join(str(shape) for shape in dict.fromkeys(shape for shape, _ in todo))
         self.monitor.compiled_in_workers(f"{shapes} ({len(jobs)} pieces in {self.workers.count} worker processes)",
-                                         time.perf_counter() - start)
+                                         time.perf_counter() - start, self.workers.timing)
 
     def _load_all(self, shape: TokenShape) -> list[Callable | None]:
         start = time.perf_counter()
