@@ -214,7 +214,7 @@ def test_a_worker_killed_mid_request_fails_the_open_requests_and_stops_the_engin
 
 
 def test_a_script_without_a_main_guard_runs_tensor_parallel(tmp_path):
-    """The workers are spawned without re-running the caller's script (kiln.spawn): no
+    """The workers are spawned without re-running the caller's script (kiln.compile.spawn): no
     `if __name__ == "__main__"` guard is needed around a tensor-parallel LLM (with plain
     spawn this script hung: each worker ran it and started workers of its own)."""
     script = tmp_path / "unguarded.py"

@@ -11,7 +11,7 @@ warm-up task at once: their start-up (importing torch and Inductor, a first comp
 on the H200 host) overlaps the weights' load and Dynamo's trace in the parent. Where the
 start is surely cold (no entry of the model in the cache) the engine starts them before the
 weights load (`start_before_cold_start`), otherwise they start when a cold capture begins.
-They skip the parent's main script (kiln.spawn).
+They skip the parent's main script (kiln.compile.spawn).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.spawn import SpawnContext
+from kiln.compile.spawn import SpawnContext
 
 # Fewer cores than this per worker and the workers only steal time from each other and from
 # Dynamo's trace in the parent (the 2-core CI machine compiles in-process).

@@ -1,6 +1,6 @@
 """Start the other ranks of a tensor-parallel group from the calling process.
 
-The caller is rank 0; ranks 1..size-1 are spawned here (kiln.spawn: a
+The caller is rank 0; ranks 1..size-1 are spawned here (kiln.compile.spawn: a
 forked CUDA context is unusable), one per GPU on CUDA or one gloo process
 each on CPU. Every rank joins the same process group through a file store in a temporary
 directory, so no port has to be free. Rank 0 talks to each worker through a pipe: a
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.distributed.parallel_state import TensorParallelState, destroy_tensor_parallel, init_tensor_parallel
-from kiln.spawn import SpawnContext
+from kiln.compile.spawn import SpawnContext
 
 logger = logging.getLogger("kiln")
 
@@ -53,7 +53,7 @@ class Workers:
     """
 
     def __init__(self, size: int, device_type: str, target: Callable, args: tuple):
-        ctx = SpawnContext()  # not mp.get_context("spawn"): see kiln.spawn
+        ctx = SpawnContext()  # not mp.get_context("spawn"): see kiln.compile.spawn
         self.size = size
         self.backend = backend_for(device_type)
         self._store_dir = tempfile.mkdtemp(prefix="kiln-tp-")

@@ -5,6 +5,7 @@ A spawned child first re-runs its parent's `__main__` (by path or module name), 
 multiprocessing does to find functions defined there. kiln's children run kiln functions
 only, and a user's script without an `if __name__ == "__main__"` guard would build an
 engine in every one of them (with compile workers: each waited on the parent's cache lock).
+Here because the compile package imports nothing else of kiln's; kiln.distributed uses it too.
 """
 
 from __future__ import annotations
