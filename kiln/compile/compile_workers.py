@@ -43,13 +43,20 @@ def worker_count(config) -> int:
     return auto_worker_count() if config.compile_workers is None else config.compile_workers
 
 
+def compiles_in_workers(config) -> bool:
+    """Whether a cold capture under `config` compiles its pieces in workers: Inductor pieces,
+    no graph passes (they report to the parent's monitor, so they run in-process), >= 2 workers.
+    (The workers also need the compile cache: they hand their artifacts over through it.)"""
+    return config.piece_compiler == "inductor" and not config.passes and worker_count(config) >= 2
+
+
 def start_before_cold_start(config, cache, device_type: str) -> None:
     """Start the workers now, before the weights load, where a cold capture with workers is
-    certain to follow: mode 3 with Inductor pieces, no graph passes (they run in-process), and
-    no entry of this model on this device type in `cache` (a CompileCache), which keeps them
-    for the capture. The capture starts them itself otherwise."""
-    if (cache is None or config.mode != 3 or config.piece_compiler != "inductor" or config.passes
-            or config.debug_guards or worker_count(config) < 2 or cache.root.has_entry_for(cache.name, device_type)):
+    certain to follow: mode 3, compiles_in_workers, and no entry of this model on this device
+    type in `cache` (a CompileCache), which keeps them for the capture. The capture starts them
+    itself otherwise."""
+    if (cache is None or config.mode != 3 or config.debug_guards or not compiles_in_workers(config)
+            or cache.root.has_entry_for(cache.name, device_type)):
         return
     try:
         cache.workers = CompileWorkers(worker_count(config))

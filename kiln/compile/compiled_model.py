@@ -22,7 +22,7 @@ from kiln.compile.cache import CompileCache, ModelCache
 from kiln.compile.cache.key import compiler_factor, digest, env_factor, source_name
 from kiln.compile.cache.store import no_room, warn_no_room
 from kiln.compile.capture import Capture, checked_backend
-from kiln.compile.compile_workers import CompileWorkers, worker_count
+from kiln.compile.compile_workers import CompileWorkers, compiles_in_workers, worker_count
 from kiln.compile.config import CompilationConfig
 from kiln.compile.direct_call import DirectCall, call_spec
 from kiln.compile.monitor import CompileMonitor, logger
@@ -166,8 +166,7 @@ class CompiledModel:
         early = None
         if self.cache is not None:
             early, self.cache.workers = self.cache.workers, None
-        if worker_count(self.config) < 2 or self.cache is None or self.config.piece_compiler != "inductor" \
-                or backend.passes:
+        if self.cache is None or not compiles_in_workers(self.config):
             if early is not None:
                 early.close()
             yield
