@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, eager beside compiled (a benchmark, not a test).
+r"""Where a decode step's time goes, eager beside compiled (a benchmark, not a test).
 
     python benchmarks/profile_step.py --model llama-3-8b --device cuda --out $OUT
     python benchmarks/profile_step.py --modes default compiled\ -O2 --batch 64 256 --context 128 --top 20 --out $OUT
@@ -32,18 +32,40 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def idle_gaps(prof, steps: int = 5, top: int = 8) -> dict:
+    """The GPU's idle time between consecutive device events (kernels, copies) per step, and
+    the largest gaps summed by the pair of events around them: whether time between kernels
+    is the host's (gaps at the step's edges) or inside the graph."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    pairs: dict[tuple[str, str], list[float]] = {}
+    idle = 0.0
+    for (_, end, before), (start, _, after) in zip(spans, spans[1:]):
+        gap = start - end
+        if gap > 0:
+            idle += gap
+            pairs.setdefault((before[:60], after[:60]), []).append(gap)
+    worst = sorted(pairs.items(), key=lambda item: -sum(item[1]))[:top]
+    return {"idle_ms_per_step": idle / steps / 1e3,
+            "idle_gaps": [{"before": b, "after": a, "ms_per_step": sum(g) / steps / 1e3,
+                           "count_per_step": len(g) / steps, "max_us": max(g)} for (b, a), g in worst]}
+
+
 def run_mode(model, device, dtype, batch, context, level, size_asserts=True, top=8) -> dict:
     import torch._inductor.config as inductor_config
 
     inductor_config.size_asserts = size_asserts
     torch._dynamo.reset()
+    # Every sequence must outlive the prefill, the 20 timed steps and the 5 profiled ones: one
+    # that finished early would shrink the profiled batch (it did at 256 with 40 tokens).
+    max_tokens = -(-batch * context // 2048) + 41
     llm = LLM(model, device=device, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=2048,
-              max_model_len=context + 64, num_kv_blocks=max(2048, batch * -(-(context + 64) // 16)),
+              max_model_len=context + max_tokens, num_kv_blocks=max(2048, batch * -(-(context + max_tokens) // 16)),
               compilation=None if level is None else CompilationConfig.level(level))
     engine = llm.engine
     vocab = engine.source.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(), params)
     sync(device)
@@ -67,6 +89,8 @@ def run_mode(model, device, dtype, batch, context, level, size_asserts=True, top
         for _ in range(5):
             engine.step()
         sync(device)
+    running = len(engine.seqs)
+    gaps = idle_gaps(prof) if device == "cuda" else {}
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernel_us = sum(e.self_device_time_total for e in events) / 5
     launches = sum(e.count for e in events) / 5
@@ -77,7 +101,7 @@ def run_mode(model, device, dtype, batch, context, level, size_asserts=True, top
         torch.cuda.empty_cache()
     return {"prefill_tokens": batch * context, "prefill_steps": steps, "prefill_s": prefill_s,
             "decode_step_ms": step_ms, "device_kernel_ms_per_step": kernel_us / 1e3,
-            "kernels_per_step": launches,
+            "kernels_per_step": launches, "running_after_profile": running, **gaps,
             "top_kernels": [{"name": e.key[:90], "ms_per_step": e.self_device_time_total / 5e3,
                              "count_per_step": e.count / 5} for e in top]}
 
@@ -101,6 +125,11 @@ def main():
         print(f"{name}, batch {batch}: prefill {r['prefill_tokens']} tokens in {r['prefill_s'] * 1e3:.0f} ms; decode step "
               f"{r['decode_step_ms']:.2f} ms wall, {r['device_kernel_ms_per_step']:.2f} ms of kernels, "
               f"{r['kernels_per_step']:.0f} launches", flush=True)
+        if "idle_ms_per_step" in r:
+            print(f"    GPU idle between device events: {r['idle_ms_per_step']:.3f} ms a step; largest:")
+            for g in r["idle_gaps"]:
+                print(f"    {g['ms_per_step']:7.3f} ms  x{g['count_per_step']:5.1f}  (max {g['max_us']:.0f} us)  "
+                      f"{g['before']} -> {g['after']}")
         for k in r["top_kernels"]:
             print(f"    {k['ms_per_step']:7.3f} ms  x{k['count_per_step']:5.0f}  {k['name']}")
     suffix = "" if a.batch == [8] else "_b" + "_".join(map(str, a.batch))
