@@ -319,24 +319,28 @@ def test_gated_skinny_matmul_is_the_activation_then_the_gemv(rows, activation, p
 def test_skinny_linear_op_cuda_path(rows, monkeypatch):
     """kiln::skinny_linear's CUDA implementation (called here on CPU tensors, the kernel
     interpreted): the GEMV up to 16 rows; from 17 to 64 only where tuning kept a config (32
-    padded rows here say CUBLAS, 64 a config), cuBLAS where nothing is known; F.linear past 64;
+    padded rows here say CUBLASLT, 64 a config), cuBLAS where nothing is known; F.linear past 64;
     the same result every way."""
     from kiln.ops.linear import act_and_mul_linear_cuda, skinny_linear_cuda
     from kiln.ops.triton import gemv_configs
 
-    kept = {gemv_configs._file_key("cpu", torch.float32): {f"{GEMV_N},{GEMV_K},32": gemv_configs.CUBLAS,
+    kept = {gemv_configs._file_key("cpu", torch.float32): {f"{GEMV_N},{GEMV_K},32": gemv_configs.CUBLASLT,
                                                            f"{GEMV_N},{GEMV_K},64": [64, 64, 1, 4, 2]}}
-    launched = []
-    real = gemv.skinny_matmul
+    launched, through_lt = [], []
+    real, real_lt = gemv.skinny_matmul, gemv.cublaslt_linear
     monkeypatch.setattr(gemv, "skinny_matmul", lambda *a, **k: launched.append(1) or real(*a, **k))
+    monkeypatch.setattr(gemv, "cublaslt_linear", lambda *a: through_lt.append(1) or real_lt(*a))
     x, w, expected = _gemv_case(rows, torch.float32)
     for kept_file, takes_kernel in (({}, rows <= 16), (kept, rows <= 16 or 32 < rows <= 64)):
+        takes_lt = kept_file is kept and 16 < rows <= 32
         monkeypatch.setattr(gemv_configs, "_kept", kept_file)
-        monkeypatch.setattr(gemv, "_kernel_wins", {})
+        monkeypatch.setattr(gemv, "_winners", {})
         launched.clear()
+        through_lt.clear()
         assert_close(skinny_linear_cuda(x.view(1, rows, GEMV_K), w), expected.view(1, rows, GEMV_N),
                      torch.float32, GEMV_TOL)
         assert bool(launched) == takes_kernel, kept_file
+        assert bool(through_lt) == takes_lt, kept_file
         # The down projection's fused op takes the same choice for the same shape, or the activation
         # then cuBLAS.
         gate_up = torch.cat([x, x.flip(0)], dim=-1)
@@ -347,26 +351,36 @@ def test_skinny_linear_op_cuda_path(rows, monkeypatch):
             assert bool(launched) == takes_kernel, (kept_file, activation)
 
 
-def test_gemv_tuning_past_16_rows_keeps_cublas_where_it_wins(monkeypatch, tmp_path):
-    # Under tuning, a shape of 33 rows nothing knows is autotuned and then timed against
-    # cuBLAS; here the kernel's pick times slower (fixed timings: the interpreter's wall times
-    # on a busy CPU decide nothing), so CUBLAS is what prewarm keeps.
+@pytest.mark.parametrize("library", ["cublas", "cublaslt"])
+def test_gemv_tuning_past_16_rows_keeps_the_library_that_wins(library, monkeypatch, tmp_path):
+    # Under tuning, a shape of 33 rows nothing knows is autotuned and then timed against cuBLAS
+    # and cuBLASLt; here the kernel's pick times slowest and `library` fastest (fixed timings:
+    # the interpreter's wall times on a busy CPU decide nothing), so that library is what
+    # prewarm keeps, and what the next process calls.
     from kiln.ops.triton import gemv_configs
 
-    timings = iter([2.0, 1.0])  # the kernel's median, then cuBLAS's
+    times = {"kernel": 3.0, "cublas": 2.0, "cublaslt": 2.0}
+    times[library] = 1.0
+    timings = iter([times["kernel"], times["cublas"], times["cublaslt"]])  # the order they are timed in
     monkeypatch.setattr(gemv, "_median", lambda fn: (fn(), next(timings))[1])
-    monkeypatch.setattr(gemv, "_kernel_wins", {})
+    monkeypatch.setattr(gemv, "_winners", {})
     monkeypatch.setattr(gemv_configs, "_tuned_path", lambda: tmp_path / "gemv.json")
     monkeypatch.setattr(gemv_configs, "_kept", None)
+    real_lt = gemv.cublaslt_linear
+    lt_calls = []
+    monkeypatch.setattr(gemv, "cublaslt_linear", lambda x, w: lt_calls.append(1) or real_lt(x, w))
     x, w, expected = _gemv_case(33, torch.float16, n=GEMV_N + 7)
     with gemv_configs.tuning():
         assert_close(gemv.linear(x, w), expected, torch.float16, GEMV_TOL)
     choices = gemv.tuned_choices()
-    assert choices[(GEMV_N + 7, GEMV_K, 64, torch.float16)] == gemv_configs.CUBLAS
-    assert_close(gemv.linear(x, w), expected, torch.float16, GEMV_TOL)  # now F.linear, no tuning
+    assert choices[(GEMV_N + 7, GEMV_K, 64, torch.float16)] == library
     gemv_configs.keep(x.device, choices)
     monkeypatch.setattr(gemv_configs, "_kept", None)  # the next process reads the file
-    assert gemv_configs.known(x.device, GEMV_N + 7, GEMV_K, 64, torch.float16) == gemv_configs.CUBLAS
+    monkeypatch.setattr(gemv, "_winners", {})
+    assert gemv_configs.known(x.device, GEMV_N + 7, GEMV_K, 64, torch.float16) == library
+    lt_calls.clear()
+    assert_close(gemv.linear(x, w), expected, torch.float16, GEMV_TOL)  # no tuning now
+    assert bool(lt_calls) == (library == "cublaslt")
 
 
 def test_skinny_matmul_rejects_unsupported_inputs():

@@ -192,60 +192,80 @@ def launch_config(device: torch.device, N: int, K: int, block_m: int, dtype: tor
 
 
 def tuned_choices() -> dict[tuple, triton.Config | str]:
-    """What tuning picked in this process: (N, K, padded rows, dtype) -> config, or CUBLAS
-    where cuBLAS beat the autotuner's pick."""
+    """What tuning picked in this process: (N, K, padded rows, dtype) -> config, or CUBLAS /
+    CUBLASLT where that library beat the autotuner's pick."""
     choices = {}
     for autotuned in (fma_kernel, dot_kernel):
         for key, config in autotuned.cache.items():
             dtype = next((d for d in (torch.bfloat16, torch.float16, torch.float32) if str(d) in key[3:]), None)
             if dtype is not None:
                 choices[(*key[:3], dtype)] = config
-    for key, kernel_wins in _kernel_wins.items():
-        if not kernel_wins:
-            choices[key[1:]] = gemv_configs.CUBLAS
+    for key, winner in _winners.items():
+        if winner != KERNEL:
+            choices[key[1:]] = winner
     return choices
 
 
-# (device, N, K, padded rows, dtype) -> whether the kernel beats cuBLAS there (past MIN_DOT_ROWS rows)
-_kernel_wins: dict[tuple, bool] = {}
+KERNEL = "kernel"
+# (device, N, K, padded rows, dtype) -> KERNEL, CUBLAS or CUBLASLT: what runs there (past MIN_DOT_ROWS rows)
+_winners: dict[tuple, str] = {}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, activation: str | None = None) -> torch.Tensor:
-    """x @ weight.T for at most MAX_ROWS rows by the kernel or by cuBLAS, whichever is known to be
-    faster for this shape: up to MIN_DOT_ROWS rows always the kernel; past them what tuning or
-    kiln's table says, cuBLAS for a shape neither knows. Inside gemv_configs.tuning() an unknown
-    shape past MIN_DOT_ROWS rows is autotuned, then timed against cuBLAS. activation ("silu" or
-    "gelu_tanh"): x is [gate | up] and the product is act(gate) * up @ weight.T: in the GEMV's
-    loads at one row, else the activation kernel first."""
+    """x @ weight.T for at most MAX_ROWS rows by the kernel, cuBLAS or cuBLASLt, whichever is known
+    to be fastest for this shape: up to MIN_DOT_ROWS rows always the kernel; past them what tuning
+    or kiln's table says, cuBLAS for a shape neither knows. Inside gemv_configs.tuning() an unknown
+    shape past MIN_DOT_ROWS rows is autotuned, then timed against both libraries. activation
+    ("silu" or "gelu_tanh"): x is [gate | up] and the product is act(gate) * up @ weight.T: in the
+    GEMV's loads at one row, else the activation kernel first."""
     if activation is not None and x.numel() // x.shape[-1] > FMA_MAX_ROWS:
         from kiln.ops.triton.activation import gated_activation
 
         x, activation = gated_activation(x, activation), None
-    if _kernel_takes(x, weight):
+    winner = _winner(x, weight)
+    if winner == KERNEL:
         return skinny_matmul(x, weight, activation=activation)
-    return F.linear(x, weight)
+    return cublaslt_linear(x, weight) if winner == gemv_configs.CUBLASLT else F.linear(x, weight)
 
 
-def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel beats cuBLAS at x's rows and this weight: always up to MIN_DOT_ROWS rows,
-    past them what tuning or kiln's table says; under tuning an unknown shape is timed both ways."""
+def cublaslt_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear through cuBLASLt: its heuristics pick other kernels than cuBLAS's, faster for some
+    decode shapes (benchmarks/gemm_choices.py). torch's switch is process-wide, so it is set for
+    this call only; inside a CUDA graph the kernel chosen at capture replays. Off CUDA (the
+    interpreted tests) there is no library to choose: F.linear."""
+    if x.device.type != "cuda":
+        return F.linear(x, weight)
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return F.linear(x, weight)
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
+def _winner(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """What multiplies x's rows by this weight: always the kernel up to MIN_DOT_ROWS rows, past
+    them what tuning or kiln's table says; under tuning an unknown shape is timed all three ways."""
     rows = x.numel() // x.shape[-1]
     if rows <= MIN_DOT_ROWS:
-        return True
+        return KERNEL
     N, K = weight.shape
     block_m = padded_rows(rows, "dot")
     key = (x.device, N, K, block_m, x.dtype)
-    wins = _kernel_wins.get(key)
-    if wins is None:
+    winner = _winners.get(key)
+    if winner is None:
         known = gemv_configs.known(x.device, N, K, block_m, x.dtype)
         if known is None and gemv_configs.is_tuning():
             skinny_matmul(x, weight)  # autotunes
             config = chosen_config(rows, N, K, x.dtype)
-            wins = _median(lambda: skinny_matmul(x, weight, config=config)) < _median(lambda: F.linear(x, weight))
+            times = {KERNEL: _median(lambda: skinny_matmul(x, weight, config=config)),
+                     gemv_configs.CUBLAS: _median(lambda: F.linear(x, weight)),
+                     gemv_configs.CUBLASLT: _median(lambda: cublaslt_linear(x, weight))}
+            winner = min(times, key=times.get)
         else:
-            wins = isinstance(known, tuple)
-        _kernel_wins[key] = wins
-    return wins
+            winner = KERNEL if isinstance(known, tuple) else known or gemv_configs.CUBLAS
+        _winners[key] = winner
+    return winner
 
 
 _KEY = ["N", "K", "BLOCK_M"]

@@ -4,9 +4,9 @@ Autotuning compiles and times every candidate on a machine's first start (11.7 s
 Llama-3-8B shapes on the H200). So a start takes, in order: the configs `kiln prewarm` tuned
 on this GPU and kept in kiln's cache root; the table below, tuned on the GPUs named in it;
 else a fixed config that suits any shape (kiln.ops.triton.gemv, logged once). Past 16 rows
-cuBLAS is faster for some shapes, so there an entry may say CUBLAS, and a shape with no
-entry takes cuBLAS. The autotuner runs only inside `tuning()`, which prewarm enters; there a
-shape past 16 rows is also timed against cuBLAS.
+cuBLAS or cuBLASLt is faster for some shapes, so there an entry may name the library, and a
+shape with no entry takes cuBLAS. The autotuner runs only inside `tuning()`, which prewarm
+enters; there a shape past 16 rows is also timed against both libraries.
 """
 
 from __future__ import annotations
@@ -20,12 +20,17 @@ import triton
 
 logger = logging.getLogger("kiln")
 
-# cuBLAS is faster for this shape: the linear calls it, not the kernel (tuned past 16 rows only).
+# cuBLAS or cuBLASLt is faster for this shape: the linear calls it, not the kernel (tuned past
+# 16 rows only). The two libraries' heuristics pick different kernels for the same shape.
 CUBLAS = "cublas"
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) or CUBLAS per (N, K, padded rows), bf16:
-# the autotuner's picks in benchmarks/gemv.py on an H200 (benchmarks/results/gemv_cuda.json:
+CUBLASLT = "cublaslt"
+LIBRARIES = (CUBLAS, CUBLASLT)
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), CUBLAS or CUBLASLT per (N, K, padded rows),
+# bf16: the autotuner's picks in benchmarks/gemv.py on an H200 (benchmarks/results/gemv_cuda.json:
 # Llama-3-8B's qkv, o_proj, gate_up, down and lm_head; one row takes the FMA kernel, 2-16
-# rows the dot kernel padded to 16, then 32 and 64, where cuBLAS won some shapes).
+# rows the dot kernel padded to 16, then 32 and 64, where cuBLAS won some shapes), and at 32
+# and 64 rows cuBLASLt where benchmarks/gemm_choices.py timed it fastest (gemm_choices_cuda*.json;
+# at 64 rows it took the engine's decode step from 5.48 to 5.26 ms, same call).
 TUNED = {
     "NVIDIA H200": {
         (6144, 4096, 1): (8, 512, 1, 4, 3), (4096, 4096, 1): (8, 512, 1, 4, 3),
@@ -34,11 +39,11 @@ TUNED = {
         (6144, 4096, 16): (64, 256, 1, 4, 3), (4096, 4096, 16): (32, 256, 2, 4, 4),
         (28672, 4096, 16): (64, 128, 1, 4, 4), (4096, 14336, 16): (64, 128, 2, 4, 4),
         (128256, 4096, 16): (64, 128, 1, 4, 4),
-        (6144, 4096, 32): CUBLAS, (4096, 4096, 32): (32, 256, 2, 4, 4),
-        (28672, 4096, 32): CUBLAS, (4096, 14336, 32): (64, 128, 2, 4, 4),
+        (6144, 4096, 32): CUBLASLT, (4096, 4096, 32): CUBLASLT,
+        (28672, 4096, 32): CUBLAS, (4096, 14336, 32): CUBLASLT,
         (128256, 4096, 32): (128, 64, 1, 4, 5),
-        (6144, 4096, 64): CUBLAS, (4096, 4096, 64): CUBLAS,
-        (28672, 4096, 64): CUBLAS, (4096, 14336, 64): (64, 128, 2, 4, 4),
+        (6144, 4096, 64): CUBLASLT, (4096, 4096, 64): CUBLAS,
+        (28672, 4096, 64): CUBLASLT, (4096, 14336, 64): CUBLASLT,
         (128256, 4096, 64): (128, 128, 1, 4, 4),
     },
 }
@@ -69,11 +74,11 @@ def device_name(device: torch.device) -> str:
 
 
 def known(device: torch.device, N: int, K: int, block_m: int, dtype: torch.dtype) -> tuple | str | None:
-    """A kept or tabled config for this shape, CUBLAS, or None."""
+    """A kept or tabled config for this shape, CUBLAS, CUBLASLT, or None."""
     name = device_name(device)
     kept = _kept_configs().get(_file_key(name, dtype), {}).get(f"{N},{K},{block_m}")
     if kept is not None:
-        return kept if kept == CUBLAS else tuple(kept)
+        return kept if kept in LIBRARIES else tuple(kept)
     return TUNED.get(name, {}).get((N, K, block_m)) if dtype == torch.bfloat16 else None
 
 
@@ -115,8 +120,8 @@ def as_entry(choice: triton.Config | str) -> list | str:
 
 
 def keep(device: torch.device, choices: dict[tuple, triton.Config | str]) -> int:
-    """Write the autotuner's `choices` ((N, K, padded rows, dtype) -> config or CUBLAS) for this
-    GPU into the cache root, beside what was kept before; returns how many."""
+    """Write the autotuner's `choices` ((N, K, padded rows, dtype) -> config, CUBLAS or
+    CUBLASLT) for this GPU into the cache root, beside what was kept before; returns how many."""
     from kiln.compile.cache.store import write_atomic
 
     global _kept
