@@ -2,9 +2,10 @@
 
 On CUDA the op takes the Triton skinny matmul (kiln/ops/triton/gemv.py) when x has at most
 MAX_ROWS rows and the kernel is known to beat cuBLAS for the shape (always up to 16 rows),
-cuBLASLt where that is known fastest, and cuBLAS (F.linear) otherwise. The row check is inside the op, which Dynamo sees as one opaque
-call, so a traced forward holds no branch on the batch size; inside a CUDA graph the branch
-was taken once, at capture, for that graph's size. On the CPU the op multiplies by the weight
+cuBLASLt where that is known fastest, and cuBLAS (F.linear) otherwise. The row check is
+inside the op, which Dynamo sees as one opaque call, so a traced forward holds no branch on
+the batch size; inside a CUDA graph the branch was taken once, at capture, for that graph's
+size. On the CPU the op multiplies by the weight
 oneDNN-reordered at load (kiln/ops/cpu/packed_linear.py: bf16), and takes F.linear for a
 weight that has no packed twin. The MLP's down
 projection may take its activation along (kiln::act_and_mul_linear, the GEMV's gated loads).
