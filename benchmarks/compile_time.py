@@ -35,7 +35,7 @@ from kiln.models.presets import PRESETS  # noqa: E402
 
 
 def build(name: str, device: torch.device, dtype: torch.dtype, config: CompilationConfig) -> torch.nn.Module:
-    custom_ops = resolve_custom_ops(default_custom_ops(config), "none")
+    custom_ops = resolve_custom_ops(default_custom_ops(config, device.type), "none")
     if name in PRESETS:  # random weights
         return build_model(PRESETS[name], dtype, device, custom_ops, None)
     from kiln.loader import (

@@ -46,7 +46,11 @@ from kiln.tools.traffic import decode_weight_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 # name -> LLM arguments
-MODES = {"default": dict, "O2": lambda: dict(compilation=CompilationConfig.level(2))}
+# "O2 native": -O2 with rotary and the activations left to Inductor (its CPU default, and its GPU
+# default before 2026-12-04).
+MODES = {"default": dict, "O2": lambda: dict(compilation=CompilationConfig.level(2)),
+         "O2 native": lambda: dict(compilation=CompilationConfig.level(2),
+                                   custom_ops=["none", "+rms_norm", "+fused_add_rms_norm", "+skinny_linear"])}
 
 
 def sync(device: str) -> None:

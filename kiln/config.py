@@ -147,7 +147,7 @@ class EngineConfig:
 
     @property
     def default_custom_ops(self) -> list[str]:
-        return default_custom_ops(self.compilation_config)
+        return default_custom_ops(self.compilation_config, self.torch_device.type)
 
     def resolved_custom_ops(self) -> frozenset[str]:
         """The ops whose kernel path the model takes: `custom_ops`, or the default list."""
@@ -222,10 +222,16 @@ class EngineConfig:
         return cls(**{**values, **overrides})
 
 
-def default_custom_ops(compilation: CompilationConfig) -> list[str]:
-    """The kernel ops a model gets when `custom_ops` is not set."""
+def default_custom_ops(compilation: CompilationConfig, device_type: str = "cpu") -> list[str]:
+    """The kernel ops a model gets on `device_type` when `custom_ops` is not set."""
     if not compilation.uses_inductor:
         return ["all"]  # the fused kernels are the only fusion there is
+    if device_type == "cuda":
+        # Every kernel under Inductor too: its rotary of q and of k beside kiln's KV write are three
+        # launches where kiln's rotary writes the cache in one, and at one row the SiLU rides in
+        # kiln's GEMV. -O2's decode step was 1-2% slower without them at batches 1-256 (H200,
+        # llama-3-8b, decode_vs_reference_cuda.json, 2026-12-04: "O2" against "O2 kernels").
+        return ["all"]
     # Inductor fuses the native paths better than opaque kernels, but a norm it fuses sums its
     # row in another order than eager's kernel: in bf16 the rounding that follows flipped 22 of
     # 50 greedy SmolLM2 chats (benchmarks/greedy_agreement.py). The norms stay kernels, so

@@ -160,6 +160,8 @@ def test_inductor_compiles_take_the_norm_and_gemv_kernels_by_default():
 
     assert resolve_custom_ops(default_custom_ops(CompilationConfig.level(2)), "none") == {
         "rms_norm", "fused_add_rms_norm", "skinny_linear"}
+    # On CUDA every kernel: Inductor's rotary beside kiln's KV write is three launches to kiln's one.
+    assert resolve_custom_ops(default_custom_ops(CompilationConfig.level(2), "cuda"), "none") == set(known_ops())
     compiled = EngineConfig(model="tiny-llama", device="cpu", compilation=CompilationConfig.level(2))
     assert compiled.resolved_custom_ops() == {"rms_norm", "fused_add_rms_norm"}
     eager = EngineConfig(model="tiny-llama", device="cpu", compilation=CompilationConfig.level(0))
