@@ -1,4 +1,4 @@
-"""Which matmul wins at Llama-3-8B's decode sizes past the GEMV's 64 rows (a benchmark, not a test).
+"""Which matmul wins at Llama-3-8B's decode sizes: cuBLAS, cuBLASLt or Triton (a benchmark, not a test).
 
     python benchmarks/gemm_choices.py --out DIR                       (the H200, ~3-5 min)
     python benchmarks/gemm_choices.py --rows 64 256 --impls cublas cublaslt --out DIR
@@ -7,7 +7,8 @@ For each weight shape (qkv, o_proj, gate_up, down, lm_head) and row count M, eac
 implementation is timed as gemv.py times it (a CUDA graph of back-to-back calls cycling
 through weight copies that together overflow L2), and checked against an fp32 matmul:
 - cublas: F.linear as torch calls it (cuBLAS);
-- cublaslt: the same with torch's preferred BLAS library set to cuBLASLt during the call;
+- cublaslt: the same through cuBLASLt (kiln.ops.triton.gemv.cublaslt_linear, which the GEMV
+  table may pick at 17-64 rows);
 - triton: Inductor's max-autotune over its Triton matmul templates only (persistent TMA
   templates on), compiled for exactly this (M, N, K).
 Then the step: 32 layers' four matmuls plus lm_head per M, per implementation and with the
@@ -27,6 +28,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from kiln.ops.triton.gemv import cublaslt_linear
+from kiln.tools.bench import measure_copy, measure_matmul
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
@@ -63,15 +67,6 @@ def time_per_call(fn, weights, x) -> float:
     return start.elapsed_time(end) / 1e3 / (REPLAYS * CALLS)
 
 
-def cublaslt(x, w):
-    previous = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    try:
-        return F.linear(x, w)
-    finally:
-        torch.backends.cuda.preferred_blas_library(previous)
-
-
 def triton_linear():
     import torch._inductor.config as inductor_config
 
@@ -82,31 +77,6 @@ def triton_linear():
                          fullgraph=True)
 
 
-def matmul_rate() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ a
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        a @ a
-    torch.cuda.synchronize()
-    return 20 * 2 * 8192 ** 3 / (time.perf_counter() - start)
-
-
-def copy_rate() -> float:
-    n = 2 << 30
-    src, dst = torch.ones(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 2 * n / sorted(times)[2]
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
@@ -114,7 +84,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     a = p.parse_args()
     started = time.perf_counter()
-    flops_rate, bytes_rate = matmul_rate(), copy_rate()
+    flops_rate, bytes_rate = measure_matmul("cuda", torch.bfloat16), measure_copy("cuda", torch.bfloat16)
     print(f"matmul {flops_rate / 1e12:.0f} TFLOP/s, copy {bytes_rate / 1e9:.0f} GB/s", flush=True)
     cases = []
     for name, (n, k) in SHAPES.items():
@@ -127,7 +97,7 @@ def main():
             row = {"shape": name, "N": n, "K": k, "M": m, "flop": 2 * m * n * k, "bytes": 2 * (n * k + m * k + m * n)}
             for impl in a.impls:
                 try:
-                    fn = {"cublas": F.linear, "cublaslt": cublaslt}.get(impl) or triton_linear()
+                    fn = {"cublas": F.linear, "cublaslt": cublaslt_linear}.get(impl) or triton_linear()
                     compile_start = time.perf_counter()
                     err = rel_err(fn(x, weights[0]), ref)
                     if impl == "triton":

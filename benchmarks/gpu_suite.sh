@@ -22,7 +22,7 @@ run() {
 # Parts, in the order they run; name some to run only those (a device call lasts at most
 # 10 minutes, and all of them together take longer: split them over two calls, e.g.
 # `bash benchmarks/gpu_suite.sh kernels graphs tiles` then `... engine cache bench`).
-# attention, attention-sweep, partition, prefix, prefix-steps, families, cache-nopyc, fresh, decode, reference, throughput, serving and tp (not in the default list):
+# gemm, attention, attention-sweep, partition, prefix, prefix-steps, families, cache-nopyc, fresh, decode, reference, throughput, serving and tp (not in the default list):
 # Inductor's partitions under CUDA graphs, prefix caching's TTFT, the model families, the cache part without cached bytecode, a fresh
 # machine's start, kiln's decode beside the stock loop, that loop alone, offline throughput, online serving, and
 # the tensor-parallel comparison (2 GPUs).
@@ -31,6 +31,8 @@ for part in $parts; do
     case $part in
         kernels) run python benchmarks/gpu_kernels.py "$OUT" ;;
         gemv) run python benchmarks/gemv.py --out "$OUT" ;;
+        # cuBLAS, cuBLASLt and Inductor's Triton templates at decode sizes 64-256 (about 2 minutes).
+        gemm) run python benchmarks/gemm_choices.py --out "$OUT" ;;
         graphs) run python benchmarks/cudagraphs.py --out "$OUT" --profile --recapture default ;;
         tiles) run python benchmarks/attention_tiles.py --out "$OUT" ;;
         # Inductor's partitions under piecewise CUDA graphs beside the FX split, and SGLang's static
