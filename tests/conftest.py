@@ -1,7 +1,11 @@
 """Shared, expensive things are built once per test session."""
 
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # One Inductor cache per test session: compiled-model tests share artifacts with each other,
@@ -44,6 +48,33 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         _patch_interpreter_for_numpy_2_4()
     except ImportError:  # no triton here: the Triton tests skip themselves
         pass
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels_dir(tmp_path_factory) -> Path | None:
+    """kiln's C++ CPU kernels built once a session (a build takes ~25-70 s), by another process so
+    that this one keeps running the reference; None where they do not build (no compiler)."""
+    from kiln.compile.cache.root import CPU_KERNELS
+
+    root = tmp_path_factory.mktemp("cpu-kernels-root")
+    done = subprocess.run([sys.executable, "-c", "from kiln.ops.cpu import extension; extension.build()"],
+                          env=dict(os.environ, KILN_CACHE_ROOT=str(root)), capture_output=True, text=True,
+                          timeout=900)
+    return root / CPU_KERNELS if done.returncode == 0 else None
+
+
+@pytest.fixture
+def seed_cpu_kernels(cpu_kernels_dir):
+    """seed(root): the session's CPU-kernel build copied into a fresh cache root (times kept),
+    so that a `kiln prewarm --device cpu` there only loads it instead of compiling for a minute.
+    The tests that use it are about the cache entry, not the build (tests/test_cpu_kernels.py)."""
+    from kiln.compile.cache.root import CPU_KERNELS
+
+    def seed(root: Path) -> None:
+        if cpu_kernels_dir is not None:
+            shutil.copytree(cpu_kernels_dir, root / CPU_KERNELS, dirs_exist_ok=True)
+
+    return seed
 
 
 @pytest.fixture(scope="session")

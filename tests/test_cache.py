@@ -184,8 +184,9 @@ def test_a_shape_missing_from_a_warm_entry_is_a_logged_and_counted_miss(copy_of,
     assert CacheRoot(root).entry(key).read_manifest()["sizes"] == [4]  # kept for the next start
 
 
-def test_two_concurrent_prewarms_both_succeed_into_one_entry(tmp_path):
+def test_two_concurrent_prewarms_both_succeed_into_one_entry(tmp_path, seed_cpu_kernels):
     root = tmp_path / "root"
+    seed_cpu_kernels(root)
     args = ["-m", "kiln.cli", "prewarm", "--model", "tiny-llama", "--max-num-batched-tokens", str(MAX_TOKENS)]
     env = dict(os.environ, OMP_NUM_THREADS="1", KILN_CACHE_ROOT=str(root),
                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
@@ -203,8 +204,9 @@ def test_two_concurrent_prewarms_both_succeed_into_one_entry(tmp_path):
     assert verify.returncode == 0 and f"{entries[0]}: OK" in verify.stdout
 
 
-def test_a_prewarm_killed_mid_compile_leaves_a_partial_entry_the_next_start_rebuilds(tmp_path):
+def test_a_prewarm_killed_mid_compile_leaves_a_partial_entry_the_next_start_rebuilds(tmp_path, seed_cpu_kernels):
     root = tmp_path / "root"
+    seed_cpu_kernels(root)
     args = ["-m", "kiln.cli", "prewarm", "--model", "tiny-llama", "--max-num-batched-tokens", str(MAX_TOKENS)]
     env = dict(os.environ, OMP_NUM_THREADS="1", KILN_CACHE_ROOT=str(root),
                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
@@ -229,8 +231,9 @@ def test_a_prewarm_killed_mid_compile_leaves_a_partial_entry_the_next_start_rebu
     assert verify.returncode == 0 and f"{entry}: OK" in verify.stdout, verify.stdout
 
 
-def test_prewarm_reports_what_the_entry_covers(copy_of, tmp_path):
+def test_prewarm_reports_what_the_entry_covers(copy_of, tmp_path, seed_cpu_kernels):
     root, key = copy_of
+    seed_cpu_kernels(root)
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps({"compile_sizes": [2], "cudagraph_capture_sizes": [1, 2]}))
     run = _run("-m", "kiln.cli", "prewarm", "--model", "tiny-llama", "--max-num-batched-tokens", str(MAX_TOKENS),

@@ -126,11 +126,12 @@ def test_not_an_archive_is_a_clear_error(tmp_path):
         import_archive(CacheRoot(tmp_path / "root"), junk)
 
 
-def test_prewarm_export_then_import_then_generate_compiles_nothing(tmp_path):
+def test_prewarm_export_then_import_then_generate_compiles_nothing(tmp_path, seed_cpu_kernels):
     """The command line end to end on the embedded SmolLM2: `kiln prewarm -O2 --export`,
     `kiln cache import` into a fresh root, and `kiln generate -O2` with fresh Inductor and
     Triton caches runs no Dynamo and no Inductor compile."""
     archive = tmp_path / "smollm2.tar"
+    seed_cpu_kernels(tmp_path / "a")
     made = _run("-m", "kiln.cli", "prewarm", "-O2", "--export", str(archive),
                 env={"KILN_CACHE_ROOT": str(tmp_path / "a"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ia")})
     assert made.returncode == 0, made.stderr

@@ -18,11 +18,12 @@ from test_attention_reference import _metadata
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """The kernel built into a cache root of its own (~25 s), unloaded afterwards, so other test
-    modules keep running the reference whatever their order."""
+def built(cpu_kernels_dir, tmp_path_factory):
+    """The kernel (the session's build, or one made here where that failed) loaded from its cache
+    root, unloaded afterwards, so other test modules keep running the reference whatever their order."""
+    root = cpu_kernels_dir.parent if cpu_kernels_dir is not None else tmp_path_factory.mktemp("cpu-kernel-root")
     mp = pytest.MonkeyPatch()
-    mp.setenv("KILN_CACHE_ROOT", str(tmp_path_factory.mktemp("cpu-kernel-root")))
+    mp.setenv("KILN_CACHE_ROOT", str(root))
     mp.setattr(extension, "_loaded", None)
     library = extension.build()
     yield library
