@@ -230,7 +230,7 @@ def default_custom_ops(compilation: CompilationConfig, device_type: str = "cpu")
         # Every kernel under Inductor too: its rotary of q and of k beside kiln's KV write are three
         # launches where kiln's rotary writes the cache in one, and at one row the SiLU rides in
         # kiln's GEMV. -O2's decode step was 1-2% slower without them at batches 1-256 (H200,
-        # llama-3-8b, decode_vs_reference_cuda.json, 2026-12-04: "O2" against "O2 kernels").
+        # llama-3-8b, decode_vs_reference_cuda_O2_kernels.json, 2026-12-04: "O2" against "O2 kernels").
         return ["all"]
     # Inductor fuses the native paths better than opaque kernels, but a norm it fuses sums its
     # row in another order than eager's kernel: in bf16 the rounding that follows flipped 22 of
