@@ -151,7 +151,7 @@ def test_skinny_linear_is_on_by_default_on_cuda_and_for_bf16_on_the_cpu(monkeypa
     assert "skinny_linear" in EngineConfig(model="tiny-llama", device="cuda").resolved_custom_ops()
 
 
-def test_inductor_compiles_take_the_norm_and_gemv_kernels_by_default():
+def test_inductor_compiles_take_the_norm_and_gemv_kernels_by_default(monkeypatch):
     # Inductor's fused norm and cuBLAS sum a row in another order than the kernels (eager's
     # path), which flips bf16 roundings and then greedy tokens; the other ops are Inductor's to
     # fuse. A CPU engine in fp32 drops the linear op (its CPU kernel only packs bf16 weights).
@@ -168,3 +168,6 @@ def test_inductor_compiles_take_the_norm_and_gemv_kernels_by_default():
     assert eager.resolved_custom_ops() == set(known_ops()) - {"skinny_linear"}
     asked = EngineConfig(model="tiny-llama", device="cpu", compilation=CompilationConfig.level(2), custom_ops=["none"])
     assert asked.resolved_custom_ops() == frozenset()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the config only, nothing runs
+    on_gpu = EngineConfig(model="tiny-llama", device="cuda", compilation=CompilationConfig.level(2))
+    assert on_gpu.default_custom_ops == ["all"] and on_gpu.resolved_custom_ops() == set(known_ops())
