@@ -4,8 +4,8 @@
     python benchmarks/gemm_choices.py --rows 64 256 --impls cublas cublaslt --out DIR
 
 For each weight shape (qkv, o_proj, gate_up, down, lm_head) and row count M, each
-implementation is timed as gemv.py times it (a CUDA graph of back-to-back calls cycling
-through weight copies that together overflow L2), and checked against an fp32 matmul:
+implementation is timed by decode_attention.time_step (a CUDA graph of 32 back-to-back calls
+cycling through weight copies that together overflow L2), and checked against an fp32 matmul:
 - cublas: F.linear as torch calls it (cuBLAS);
 - cublaslt: the same through cuBLASLt (kiln.ops.triton.gemv.cublaslt_linear, which the GEMV
   table may pick at 17-64 rows);
@@ -29,42 +29,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from decode_attention import time_step  # this script's folder is on sys.path
 from kiln.ops.triton.gemv import cublaslt_linear
 from kiln.tools.bench import measure_copy, measure_matmul
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
 LAYER_COUNTS = {"qkv": 32, "o_proj": 32, "gate_up": 32, "down": 32, "lm_head": 1}
-CALLS, REPLAYS = 20, 10
 L2_FLUSH_BYTES = 256 << 20
 REL_ERR_TOL = 5e-3
 
 
 def rel_err(actual, expected) -> float:
     return ((actual.float() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-
-
-def time_per_call(fn, weights, x) -> float:
-    order = [weights[i % len(weights)] for i in range(CALLS)]
-    for w in weights:
-        fn(x, w)
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for w in order:
-            fn(x, w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (REPLAYS * CALLS)
 
 
 def triton_linear():
@@ -104,7 +81,7 @@ def main():
                         row["triton_compile_s"] = time.perf_counter() - compile_start
                     if not err <= REL_ERR_TOL:
                         raise AssertionError(f"rel err {err:.2e}")
-                    seconds = time_per_call(fn, weights, x)
+                    seconds = time_step(lambda i, w=weights: fn(x, w[i]), len(weights))
                     row[f"{impl}_us"] = seconds * 1e6
                     row[f"{impl}_tflops"] = row["flop"] / seconds / 1e12
                     row[f"{impl}_gbps"] = row["bytes"] / seconds / 1e9
