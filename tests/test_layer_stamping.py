@@ -219,6 +219,16 @@ def test_a_layer_class_that_inherits_its_forward_is_stamped_and_restored(tiny_ll
     torch.testing.assert_close(out, model(*INPUTS), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_an_eager_call_while_stamping_runs_the_layers_as_written(tiny_llama_factory, mechanism):
+    # What the engine runs beside the piece compile (CompiledModel.warm_up's meanwhile) calls the
+    # model eagerly while the capture's stamping is on.
+    model = tiny_llama_factory(3)
+    expected = model(*INPUTS)
+    with layer_stamping.stamping(model, mechanism):
+        torch.testing.assert_close(model(*INPUTS), expected, rtol=0, atol=0)
+
+
 def test_gemma2_sliding_and_global_layers_are_two_kinds():
     """Gemma 2's layers differ only in their attention window (a constant of the attention op):
     two kinds, alternating, each traced once."""
