@@ -21,18 +21,25 @@ def _inputs(n):
     return torch.randint(0, 512, (n,), generator=gen), torch.arange(n)
 
 
-def _start(model, root, workers, **overrides):
+def _start(model, root, workers, meanwhile=None, **overrides):
     config = CompilationConfig(**{**CONFIG, **overrides}, compile_workers=workers)
     compiled = compile_model(model, config, 64,
                              cache=CompileCache(CacheRoot(root), {"test": "workers"}, "tiny"))
-    compiled.warm_up(_inputs)
+    compiled.warm_up(_inputs, meanwhile=meanwhile and (lambda: meanwhile(compiled)))
     return compiled
 
 
 def test_workers_compile_the_pieces_and_a_second_start_loads_them(tiny_llama, tmp_path, caplog):
+    # The caller's `meanwhile` runs once, after the jobs are handed over and before any artifact is in.
+    meanwhile_saw = []
+
+    def meanwhile(compiled):
+        meanwhile_saw.append((len(compiled.backend.pieces.by_shape), compiled.backend.workers is not None))
+
     with caplog.at_level(logging.INFO, logger="kiln.compile"):
-        cold = _start(tiny_llama, tmp_path, workers=2)
+        cold = _start(tiny_llama, tmp_path, workers=2, meanwhile=meanwhile)
     assert "compiling 6 pieces in 2 worker processes" in caplog.text
+    assert meanwhile_saw == [(0, True)]
     stats = cold.stats
     assert stats["graphs_seen"] == 1 and stats["unique_pieces"] == 3
     assert stats["inductor_compiles"] == 6 and stats["compiles_after_capture"] == 0
@@ -46,7 +53,8 @@ def test_workers_compile_the_pieces_and_a_second_start_loads_them(tiny_llama, tm
     assert entry.complete() and entry.bad_files() == []
     assert not list(entry.path.rglob("*.worker.tmp"))
 
-    warm = _start(tiny_llama, tmp_path, workers=2)
+    warm = _start(tiny_llama, tmp_path, workers=2, meanwhile=meanwhile)
+    assert meanwhile_saw == [(0, True)]  # a warm start compiles nothing: nothing to run beside
     assert warm.stats["graphs_seen"] == 0 and warm.stats["inductor_compiles"] == 0
     assert warm.stats["pieces_loaded"] == 6
     ids, pos = _inputs(9)
@@ -62,7 +70,7 @@ class FailingWorkers:
     def __init__(self):
         self.jobs = []
 
-    def compile(self, jobs):
+    def compile(self, jobs, meanwhile=None):
         self.jobs += jobs
         return [(job, PieceResult(job.index, job.shape, 0.0, False, "RuntimeError: boom")) for job in jobs]
 

@@ -1,7 +1,7 @@
 """kiln.compile.triton_precompile without a GPU: kernels compiled for sm_90 in worker processes
-land in Triton's cache dir under the key the parent's own compile looks up, and the launch
-hook records a missing kernel (and skips it, its later launches without a cache lookup) but lets
-a cached one through.
+(all at once, or each as the hook records it) land in Triton's cache dir under the key the
+parent's own compile looks up, and the launch hook records a missing kernel (and skips it, its
+later launches without a cache lookup) but lets a cached one through.
 
 Triton's launch path needs a GPU driver, so the hook is called the way JITFunction._do_compile
 calls it, with the specialization a launch of the RMSNorm kernel would have. The checks run
@@ -37,7 +37,7 @@ def _check() -> None:
     from triton.compiler import compile as triton_compile
     from triton.compiler.compiler import make_backend
 
-    from kiln.compile.triton_precompile import MissingKernels, compile_all, in_cache
+    from kiln.compile.triton_precompile import KernelCompiler, MissingKernels, compile_all, in_cache
     from kiln.compile.triton_worker import source_and_options
     from kiln.ops.triton.kernels.norm import fused_add_rms_norm_kernel, rms_norm_kernel
 
@@ -87,6 +87,28 @@ def _check() -> None:
         assert in_cache(fn, launch_record.specialization, target)
         triton_compile(src, target=target, options=opts)
     assert hits == [True, True, True], hits
+
+    # Streamed: a recorder with a compiler hands each launch over as it records it, and the
+    # compiles are done when the compiler finishes.
+    # The recorder puts a stand-in that launches nothing into the kernel's in-memory cache (what
+    # Triton's launch looks in first, here made by hand: no driver), and takes it out once compiled.
+    kernels = {}
+    rms_norm_kernel.device_caches[0] = (kernels, {}, None, None, None)
+    streamed = MissingKernels(target)
+    streamed.compiler = KernelCompiler(target, knobs.cache.dir, workers=2)
+    assert launch(rms_norm_kernel, 1024, streamed) is True
+    assert launch(fused_add_rms_norm_kernel, 2048, streamed) is True
+    assert launch(rms_norm_kernel, 1024, streamed) is True  # recorded once, submitted once
+    assert len(kernels) == 1 and next(iter(kernels))[0] == 1024  # the launch's key (the helper's: block first)
+    stand_in = kernels[next(iter(kernels))]
+    assert stand_in.launch_metadata((1,), 0) is None and stand_in.run(1, 1, 1, 0) is None
+    done = streamed.compiler.finish()
+    assert done == {**done, "compiled": 2, "failed": 0, "workers": 2}, done
+    streamed.compiled()
+    assert kernels == {} and not streamed.launches
+    del rms_norm_kernel.device_caches[0]
+    for kernel, block in ((rms_norm_kernel, 1024), (fused_add_rms_norm_kernel, 2048)):
+        assert launch(kernel, block, MissingKernels(target)) is False
 
     # A kernel the worker cannot load is counted as failed (it would compile at its launch).
     broken = next(iter(recorder.launches.values()))

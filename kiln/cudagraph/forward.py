@@ -37,11 +37,8 @@ class ForwardCudagraphs:
                  buffers: StepBuffers, max_model_len: int, max_num_seqs: int, debug: bool = False,
                  static_forward: CompiledModel | None = None, head: Head | None = None):
         """static_forward: the forward compiled per decode bucket (SGLang's static decode path),
-        when the decode phase asks for it. head: what a decode step computes from its hidden
+        when the decode phase asks for it (it may be set later, before the first capture). head: what a decode step computes from its hidden
         states (one row per sequence), run with the forward."""
-        if dispatcher.decode.static_compile and dispatcher.decode.buckets.sizes and static_forward is None:
-            raise ValueError("the decode phase compiles statically per bucket (static_compile), but no "
-                             "statically compiled forward was given")
         self.model, self.compiled, self.dispatcher, self.buffers = model, compiled, dispatcher, buffers
         self.static_forward, self.head = static_forward, head
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
@@ -108,15 +105,17 @@ class ForwardCudagraphs:
         log_capture(self.pool, used)
         return self.stats
 
-    def warm_up(self, kv_caches: dict[str, torch.Tensor], todo: list[tuple[PhasePlan, int]]) -> None:
+    def warm_up(self, kv_caches: dict[str, torch.Tensor], todo: list[tuple[PhasePlan, int]],
+                eager: bool = False) -> None:
         """The ordinary run that precedes each capture, for each (phase, bucket) of `todo` (a
-        slice of dispatcher.captures()), without capturing: what those runs launch."""
+        slice of dispatcher.captures()), without capturing: what those runs launch (`eager`:
+        through the model's own forward, whatever the graph's compiler)."""
         for phase, bucket in todo:
-            forward, (ids, pos, meta) = self._bucket_inputs(phase, bucket)
+            forward, (ids, pos, meta) = self._bucket_inputs(phase, bucket, eager)
             with set_forward_context(meta, kv_caches), torch.inference_mode(), self.pool.capturing():
                 forward(ids, pos)
 
-    def _bucket_inputs(self, phase: PhasePlan, bucket: int) -> tuple[Callable, tuple]:
+    def _bucket_inputs(self, phase: PhasePlan, bucket: int, eager: bool = False) -> tuple[Callable, tuple]:
         """The forward a (phase, bucket) graph records (a full decode graph's with the head), and
         its inputs in the step buffers."""
         # No real tokens: a graph records launches and addresses, and the kernels' grids depend
@@ -127,7 +126,7 @@ class ForwardCudagraphs:
         else:
             num_seqs, max_query_len, max_seq_len = 0, 1, 1
         inputs = self.buffers.load(empty, bucket, num_seqs, max_query_len, max_seq_len)
-        compiler = "static" if phase.static_compile else phase.compiler
+        compiler = "eager" if eager else "static" if phase.static_compile else phase.compiler
         forward = self._forward(CudagraphChoice(phase.name, phase.mode, compiler, bucket))
         return (self._with_head(forward, phase.name) if phase.mode == "full" else forward), inputs
 
@@ -168,5 +167,8 @@ class ForwardCudagraphs:
 
     def _forward(self, choice: CudagraphChoice) -> Callable:
         if choice.compiler == "static":
+            if self.static_forward is None:
+                raise RuntimeError("the decode phase compiles statically per bucket (static_compile), but no "
+                                   "statically compiled forward was given; this is a kiln bug")
             return self.static_forward
         return self.compiled if choice.compiler == "inductor" else self.model

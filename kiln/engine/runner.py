@@ -6,6 +6,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,8 +17,8 @@ from kiln.compile import CompiledModel, compile_model
 from kiln.compile.cache import CompileCache
 from kiln.compile.cache import triton_kernels
 from kiln.compile.cache.preload import preload_if_warm
-from kiln.compile.compile_workers import start_before_cold_start
-from kiln.compile.triton_precompile import MissingKernels, compile_all, triton_target
+from kiln.compile.compile_workers import start_before_cold_start, worker_count
+from kiln.compile.triton_precompile import KernelCompiler, MissingKernels, triton_target
 from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
 from kiln.cudagraph import CudagraphChoice, CudagraphDispatcher, ForwardCudagraphs, PackedStep, StepBuffers
 from kiln.engine.logprobs import Logprob, TokenLogprobs
@@ -61,10 +63,16 @@ def compile_forward(model: torch.nn.Module, config: EngineConfig, cache: Compile
                     timeline: StartupTimeline) -> CompiledModel:
     """Capture and compile (or load from the cache) before the first request, so serving
     never waits on a compile."""
+    compiled = forward_of(model, config, cache)
+    _make_ready(compiled, timeline)
+    return compiled
+
+
+def forward_of(model: torch.nn.Module, config: EngineConfig, cache: CompileCache | None) -> CompiledModel:
+    """The model's forward under the configured compile mode, not compiled yet (see _make_ready)."""
     compiled = compile_model(model, config.compilation_config, config.max_num_batched_tokens, cache=cache)
     if config.compilation is None:
         logger.info("model forward: %s", DEFAULT_FORWARD_REASON)
-    _make_ready(compiled, timeline)
     return compiled
 
 
@@ -79,8 +87,10 @@ def compile_static_decode(model: torch.nn.Module, config: EngineConfig, cache: C
     return compiled
 
 
-def _make_ready(compiled: CompiledModel, timeline: StartupTimeline, counts: list[int] | None = None) -> None:
-    """Run the compiled forward's warm-up (CompiledModel.warm_up) and put its parts on the timeline."""
+def _make_ready(compiled: CompiledModel, timeline: StartupTimeline, counts: list[int] | None = None,
+                meanwhile: Callable[[], None] | None = None) -> None:
+    """Run the compiled forward's warm-up (CompiledModel.warm_up, `meanwhile` passed on) and put
+    its parts on the timeline."""
     if compiled.mode == 0:
         return
     dev = next(compiled.model.parameters()).device
@@ -88,7 +98,8 @@ def _make_ready(compiled: CompiledModel, timeline: StartupTimeline, counts: list
         # Values do not matter, only token counts; position 0 is valid for any model.
         compiled.warm_up(lambda n: (torch.zeros(n, dtype=torch.long, device=dev),
                                     torch.zeros(n, dtype=torch.long, device=dev)),
-                         context=lambda n: set_forward_context(warm_up_metadata(n, dev), {}), counts=counts)
+                         context=lambda n: set_forward_context(warm_up_metadata(n, dev), {}), counts=counts,
+                         meanwhile=meanwhile)
     stats = compiled.stats
     # Only what ran: a warm start records cache_load, a cold one dynamo, split (the backend's
     # own work: splitting, piece inputs, dedup, the cache key) and inductor.
@@ -103,6 +114,24 @@ def _in_background(fn: Callable) -> concurrent.futures.Future:
     future = executor.submit(fn)
     executor.shutdown(wait=False)
     return future
+
+
+class _Overlapped:
+    """kiln's kernel precompile handed to CompiledModel.warm_up as `meanwhile`: timed (seconds
+    stays None if it never ran); a failure only loses the head start, as the kernels phase
+    records and compiles whatever is still missing."""
+
+    def __init__(self, work: Callable[[], None]):
+        self.work, self.seconds = work, None
+
+    def __call__(self) -> None:
+        start = time.perf_counter()
+        try:
+            self.work()
+        except Exception as e:
+            logger.warning("kiln's kernels did not compile beside the pieces (%s: %s); they compile after them",
+                           type(e).__name__, e)
+        self.seconds = time.perf_counter() - start
 
 
 def _tuning() -> bool:
@@ -147,28 +176,30 @@ class ModelRunner:
                                                      config.max_num_batched_tokens,
                                                      enabled=self.device.type == "cuda")
         static_sizes = dispatcher.decode.buckets.sizes if dispatcher.decode.static_compile else []
+        self.compiled = forward_of(self.model, config, cache)
+        model_len = source.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.cudagraphs = ForwardCudagraphs(
+            self.model, self.compiled, dispatcher,
+            StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
+                        -(-self.max_model_len // self.block_size), self.device),
+            self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug,
+            head=self._decode_head)
         with recorder or contextlib.nullcontext():
-            self.compiled = compile_forward(self.model, config, cache, timeline)
+            overlapped = _Overlapped(lambda: self._kernels_on_eager(recorder)) if recorder is not None else None
+            _make_ready(self.compiled, timeline, meanwhile=overlapped)
+            if overlapped is not None and overlapped.seconds is not None:
+                # Inside the Inductor phase, not after it: the timeline's phases no longer add up there.
+                timeline.add("kernels_during_inductor", overlapped.seconds)
             self.static_decode = compile_static_decode(self.model, config, cache, static_sizes, timeline) \
                 if static_sizes else None
+            self.cudagraphs.static_forward = self.static_decode
             with timeline.phase("kv_cache"):
                 self.num_blocks = self._num_kv_blocks()
-                self.kv_caches = {
-                    layer.layer_name: torch.empty(2, self.num_blocks, self.block_size, layer.num_kv_heads,
-                                                  layer.head_dim, dtype=self.dtype, device=self.device)
-                    for layer in self.attn_layers
-                }
-            model_len = source.config.max_position_embeddings
-            self.max_model_len = min(config.max_model_len or model_len, model_len)
-            self.cudagraphs = ForwardCudagraphs(
-                self.model, self.compiled, dispatcher,
-                StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
-                            -(-self.max_model_len // self.block_size), self.device),
-                self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug,
-                static_forward=self.static_decode, head=self._decode_head)
+                self.kv_caches = self._kv_caches(self.num_blocks)
             if recorder is not None:
                 with timeline.phase("kernels"):
-                    self._precompile_kernels(recorder)
+                    self._precompile_kernels(recorder, self.compiled, self.kv_caches)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                     self.num_blocks * self.bytes_per_block / 2**30)
         if "skinny_linear" in self.custom_ops and self.device.type == "cuda":
@@ -203,25 +234,32 @@ class ModelRunner:
             return int(self.config.kv_cache_gib * 2**30) // self.bytes_per_block
         return self._profile_gpu_blocks()
 
+    def _kv_caches(self, num_blocks: int) -> dict[str, torch.Tensor]:
+        return {layer.layer_name: torch.empty(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
+                                              dtype=self.dtype, device=self.device)
+                for layer in self.attn_layers}
+
     def _decode_head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step's logits and greedy tokens, one row per sequence (padding rows too):
         run inside its CUDA graph, so that a greedy batch launches nothing after the replay."""
         logits = self.model.compute_logits(hidden)
         return logits, greedy_tokens(logits)
 
-    def _warm_gemv(self) -> None:
+    def _warm_gemv(self, forward: Callable | None = None) -> None:
         """Launch the GEMV once per weight shape and row bucket: its kernels compile (or load
         from Triton's cache) here, before serving (a step's logits are computed outside its CUDA
         graph). Under kiln prewarm this is where unknown shapes are autotuned: before the KV
         cache takes the memory the timing needs."""
         rows = [r for r in GEMV_ROW_BUCKETS if r <= self.config.max_num_batched_tokens]
+        forward = forward or self.compiled
         with torch.inference_mode(), set_forward_context(None, {}):
             for n in rows:
                 ids = torch.zeros(n, dtype=torch.long, device=self.device)
-                self.model.compute_logits(self.compiled(ids, ids))
+                self.model.compute_logits(forward(ids, ids))
         torch.cuda.synchronize()
 
-    def _warm_up_requests(self) -> None:
+    def _warm_up_requests(self, forward: Callable | None = None,
+                          kv_caches: dict[str, torch.Tensor] | None = None) -> None:
         """What a request launches outside the CUDA graphs, once before serving, so that its kernels
         compile (or load) here and not on the first request: a small prefill through the forward
         with the KV cache in place (attention's prefill tiles; its cache writes are skipped, slot -1,
@@ -231,38 +269,57 @@ class ModelRunner:
         blocks = torch.zeros(1, -(-n // self.block_size), dtype=torch.int32, device=self.device)
         meta = dataclasses.replace(warm_up_metadata(n, self.device, length=n), block_tables=blocks)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        with torch.inference_mode(), set_forward_context(meta, self.kv_caches):
-            hidden = self.compiled(ids, torch.arange(n, device=self.device))
+        with torch.inference_mode(), set_forward_context(meta, self.kv_caches if kv_caches is None else kv_caches):
+            hidden = (forward or self.compiled)(ids, torch.arange(n, device=self.device))
             sample(self.model.compute_logits(hidden[-1:]), [SamplingParams(temperature=0.0)], [None])
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _precompile_kernels(self, missing: MissingKernels) -> None:
-        """Run what start-up runs next (each graph's warm-up, the GEMV warm-up) with missing
-        kernels recorded instead of compiled, then compile those (and any the compile phase
-        and the KV-cache profile recorded) in parallel processes. The first run (the smallest
-        graph's) is a probe: when nothing is missing after it, the kernels are in Triton's
-        cache dir and the other runs are left to the real start."""
-        todo = self.cudagraphs.dispatcher.captures()  # largest first
-        runs = [lambda: self.cudagraphs.warm_up(self.kv_caches, todo[-1:])] if todo else []
-        if "skinny_linear" in self.custom_ops:
-            runs.append(self._warm_gemv)
-        runs.append(self._warm_up_requests)
-        runs.append(lambda: self.cudagraphs.warm_up(self.kv_caches, todo[:-1]))
-        for i, run in enumerate(runs):
-            if i == 1 and not missing.launches:
-                return
-            run()
-        torch.cuda.synchronize()
-        if not missing.launches:
-            return
+    def _precompile_kernels(self, missing: MissingKernels, forward: Callable, kv_caches: dict[str, torch.Tensor],
+                            eager: bool = False, workers: int | None = None) -> None:
+        """Run what start-up runs next (each graph's warm-up, the GEMV warm-up) through `forward`
+        (`eager`: the model's own, for every graph) with missing kernels recorded instead of
+        compiled; each compiles in one of up to `workers` processes as soon as it is recorded
+        (those the compile phase and the KV-cache profile recorded first), while the runs go on.
+        The first run (the smallest graph's) is a probe: when nothing is missing after it, the
+        kernels are in Triton's cache dir and the other runs are left to the real start."""
         from triton import knobs
 
-        done = compile_all(list(missing.launches.values()), missing.target, knobs.cache.dir)
+        todo = self.cudagraphs.dispatcher.captures()  # largest first
+        runs = [lambda: self.cudagraphs.warm_up(kv_caches, todo[-1:], eager)] if todo else []
+        if "skinny_linear" in self.custom_ops:
+            runs.append(lambda: self._warm_gemv(forward))
+        runs.append(lambda: self._warm_up_requests(forward, kv_caches))
+        runs.append(lambda: self.cudagraphs.warm_up(kv_caches, todo[:-1], eager))
+        compiler = KernelCompiler(missing.target, knobs.cache.dir, workers)
+        for launch in missing.launches.values():
+            compiler.submit(launch)
+        missing.compiler = compiler
+        try:
+            for i, run in enumerate(runs):
+                if i == 1 and not missing.launches:
+                    break
+                run()
+            torch.cuda.synchronize()
+        finally:
+            missing.compiler = None
+            done = compiler.finish()
+            missing.compiled()
+        if not done["workers"]:  # nothing was missing
+            return
         triton_kernels.add_worker_compiles(done)
         logger.info("Triton: %d kernels compiled in %d processes in %.2f s%s", done["compiled"], done["workers"],
                     done["seconds"], f" ({done['failed']} failed: they compile at their launch)"
                     if done["failed"] else "")
+
+    def _kernels_on_eager(self, missing: MissingKernels) -> None:
+        """_precompile_kernels on the model's own forward, which launches the same kernels of kiln's
+        ops as the compiled pieces: run while worker processes compile those pieces (kiln's
+        kernels do not wait for them). The KV cache is not sized yet: one block serves, as the
+        warm-up steps write no slot (-1) and read only block 0."""
+        # Leave the cores the piece compiles run on to them.
+        workers = max(1, (os.cpu_count() or 1) - worker_count(self.config.compilation_config))
+        self._precompile_kernels(missing, self.model, self._kv_caches(1), eager=True, workers=workers)
 
     def _profile_gpu_blocks(self) -> int:
         """Blocks that fit in the GPU share left after a forward of the largest batch."""
