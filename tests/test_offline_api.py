@@ -142,6 +142,12 @@ def test_llm_takes_vllm_s_compilation_config_name(tmp_path):
         LLM("tiny-llama", device="cpu", compilation_config=0, compilation={"mode": 0})
     llm = LLM("tiny-llama", device="cpu", compilation_config=0, num_kv_blocks=64)
     assert llm.engine.config.compilation.mode == 0
+    # Offline, prompts are cut by tokens only (a server's CPU default also cuts them by time)...
+    assert llm.engine.config.step_time_budget is None
+    assert llm.engine.scheduler.max_step_seconds is None
+    # ... unless asked for.
+    timed = LLM("tiny-llama", device="cpu", compilation_config=0, num_kv_blocks=64, max_step_seconds=0.5)
+    assert timed.engine.scheduler.max_step_seconds == 0.5
 
 
 def test_generate_takes_vllm_s_prompt_dicts_and_refuses_other_shapes(llm):
