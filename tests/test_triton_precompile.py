@@ -37,7 +37,7 @@ def _check() -> None:
     from triton.compiler import compile as triton_compile
     from triton.compiler.compiler import make_backend
 
-    from kiln.compile.triton_precompile import KernelCompiler, MissingKernels, compile_all, in_cache
+    from kiln.compile.triton_precompile import KernelCompiler, MissingKernels, in_cache
     from kiln.compile.triton_worker import source_and_options
     from kiln.ops.triton.kernels.norm import fused_add_rms_norm_kernel, rms_norm_kernel
 
@@ -59,6 +59,12 @@ def _check() -> None:
 
     import kiln.compile.triton_precompile as precompile
 
+    def compile_all(launches, workers=None):
+        compiler = KernelCompiler(target, knobs.cache.dir, workers)
+        for launch in launches:
+            compiler.submit(launch)
+        return compiler.finish()
+
     lookups = []
     real_in_cache = precompile.in_cache
     precompile.in_cache = lambda *args: lookups.append(args) or real_in_cache(*args)
@@ -70,7 +76,7 @@ def _check() -> None:
     assert launch(rms_norm_kernel, 2048, recorder) is True
     assert launch(fused_add_rms_norm_kernel, 4096, recorder) is True
     assert len(recorder.launches) == 3, recorder.launches  # one per specialization
-    done = compile_all(list(recorder.launches.values()), target, knobs.cache.dir, workers=2)
+    done = compile_all(list(recorder.launches.values()), workers=2)
     assert done == {**done, "compiled": 3, "failed": 0, "workers": 2}, done
 
     # The parent finds each in the cache: the hook lets the launch through, and Triton's own
@@ -113,7 +119,7 @@ def _check() -> None:
     # A kernel the worker cannot load is counted as failed (it would compile at its launch).
     broken = next(iter(recorder.launches.values()))
     broken = type(broken)(broken.module, "/nonexistent/kernels.py", broken.name, broken.specialization)
-    done = compile_all([broken], target, knobs.cache.dir)
+    done = compile_all([broken])
     assert (done["compiled"], done["failed"]) == (0, 1), done
     print("checked")
 

@@ -10,8 +10,8 @@ Inside `MissingKernels()`, a launch whose kernel is neither loaded nor in Triton
 dir is not compiled and not launched: its specialization is recorded instead (the outputs
 of such a run are garbage; the caller runs it again for real afterwards). A KernelCompiler
 compiles what was recorded in worker processes (kiln.compile.triton_worker) into the cache
-dir, where the real launches find them: each as soon as it is recorded, or all at the end
-(`compile_all`). A warm cache records nothing, and costs the caller one recorded run.
+dir, where the real launches find them, each as soon as it is recorded (MissingKernels.compiler).
+A warm cache records nothing, and costs the caller one recorded run.
 """
 
 from __future__ import annotations
@@ -147,15 +147,6 @@ class MissingKernels(contextlib.AbstractContextManager):
             kernels[0][key] = _SKIPPED
             self._stand_ins.append((kernels[0], key))
         return True  # Triton neither compiles nor launches it
-
-
-def compile_all(launches: list[KernelLaunch], target, cache_dir: str, workers: int | None = None) -> dict:
-    """Compile `launches` in up to `workers` processes (default: one per CPU, at most
-    MAX_WORKERS) into `cache_dir`; returns KernelCompiler.finish's counts."""
-    compiler = KernelCompiler(target, cache_dir, workers)
-    for launch in launches:
-        compiler.submit(launch)
-    return compiler.finish()
 
 
 class KernelCompiler:

@@ -56,7 +56,7 @@ def listen() -> None:
 
 
 def add_worker_compiles(done: dict) -> None:
-    """Count what kiln.compile.triton_precompile.compile_all compiled for this process."""
+    """Count what kiln.compile.triton_precompile's KernelCompiler compiled for this process."""
     _counts["compiled"] += done["compiled"]
     _counts["compiled_in_workers"] += done["compiled"]
     _counts["precompile_s"] += done["seconds"]
