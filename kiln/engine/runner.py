@@ -186,7 +186,11 @@ class ModelRunner:
             self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug,
             head=self._decode_head)
         with recorder or contextlib.nullcontext():
-            overlapped = _Overlapped(lambda: self._kernels_on_eager(recorder)) if recorder is not None else None
+            # Not under tensor parallelism: the recorded runs all-reduce, so every rank must run them
+            # at the same point, and whether a rank's pieces compile in workers is that rank's own
+            # affair (its cache, its workers' start).
+            overlapped = _Overlapped(lambda: self._kernels_on_eager(recorder)) \
+                if recorder is not None and config.tensor_parallel_size == 1 else None
             _make_ready(self.compiled, timeline, meanwhile=overlapped)
             if overlapped is not None and overlapped.seconds is not None:
                 # Inside the Inductor phase, not after it: the timeline's phases no longer add up there.
