@@ -37,8 +37,9 @@ class ForwardCudagraphs:
                  buffers: StepBuffers, max_model_len: int, max_num_seqs: int, debug: bool = False,
                  static_forward: CompiledModel | None = None, head: Head | None = None):
         """static_forward: the forward compiled per decode bucket (SGLang's static decode path),
-        when the decode phase asks for it (it may be set later, before the first capture). head: what a decode step computes from its hidden
-        states (one row per sequence), run with the forward."""
+        when the decode phase asks for it (it may be set later, before the first capture). head:
+        what a decode step computes from its hidden states (one row per sequence), run with the
+        forward."""
         self.model, self.compiled, self.dispatcher, self.buffers = model, compiled, dispatcher, buffers
         self.static_forward, self.head = static_forward, head
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs

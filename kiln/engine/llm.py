@@ -21,8 +21,9 @@ class LLM:
         CompilationConfig fields over -O2, or a CompilationConfig. Other keywords are
         EngineConfig's; max_step_seconds defaults to none (inf) here."""
         # The CPU's step time budget keeps a server's streams moving beside a long prompt; offline
-        # nothing streams and it only cut a lone 8k-token fp32 prompt into 33 chunks (28 -> 34 s).
-        # (vLLM's LLM class likewise batches by larger defaults than its server.)
+        # nothing streams, and there it cut a lone 8k-token fp32 prompt into ~33 chunks: 28.3 s
+        # without it, 37.5 s with it (benchmarks/results/cpu_long_prompt_offline_ab.json). vLLM's
+        # LLM class likewise batches by larger defaults than its server.
         engine_args.setdefault("max_step_seconds", math.inf)
         if compilation_config is not None:
             if engine_args.get("compilation") is not None:
