@@ -92,3 +92,53 @@ def test_abort_returns_every_block(llm):
     engine.abort_request(rid)
     assert engine.scheduler.block_manager.num_free_blocks == free_before
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_kernel_recording_run_through_the_first_layers_of_each_kind_calls_every_op_pattern(family):
+    """A start records kiln's kernels on the eager model through only the first two layers of
+    each kind (kiln.engine.runner): every call a layer's modules get in the full model (module
+    within its kind of layer, argument shapes, absent arguments: what picks a kernel) must come
+    in the shorter run too, and the layers come back after."""
+    import dataclasses
+    import re
+
+    from kiln.compile.layer_stamping import layer_kinds
+    from kiln.config import CUSTOM_OPS
+    from kiln.engine.runner import _first_layers_of_each_kind
+    from kiln.models import build_model
+    from kiln.models.presets import PRESETS
+
+    base = PRESETS["tiny-llama" if family == "llama" else "gemma-2-9b"]
+    arch = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
+                layer_types=base.layer_types[:6]) if family == "gemma2" else {}
+    cfg = dataclasses.replace(base, num_layers=6, **arch)
+    model = build_model(cfg, torch.float32, torch.device("cpu"), frozenset(CUSTOM_OPS) - {"skinny_linear"}, None)
+    kind_of = {path: k for k, paths in enumerate(layer_kinds(model)) for path in paths}
+    names = {m: re.sub(r"model\.layers\.\d+", lambda p: f"kind {kind_of[p.group()]}", name)
+             for name, m in model.named_modules()}
+
+    def calls() -> tuple[set, torch.Tensor]:
+        seen = set()
+
+        def record(module, args):
+            seen.add((names[module], tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)))
+
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(record)
+        try:
+            with torch.inference_mode():
+                out = model(torch.arange(5) * 7 % 256, torch.arange(5))
+        finally:
+            hook.remove()
+        return seen, out
+
+    full, out = calls()
+    with _first_layers_of_each_kind(model):
+        assert len(list(model.model.layers)) == (2 if family == "llama" else 4)
+        fewer, _ = calls()
+    assert fewer == full
+    assert [name for name, _ in model.named_modules() if name.count(".") == 2] == \
+        [f"model.layers.{i}" for i in range(6)]
+    torch.testing.assert_close(model(torch.arange(5) * 7 % 256, torch.arange(5)), out, rtol=0, atol=0)
+    with _first_layers_of_each_kind(model, per_kind=1):  # the first layer alone: no call with a residual
+        assert calls()[0] < full

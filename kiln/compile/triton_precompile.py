@@ -163,7 +163,8 @@ class KernelCompiler:
         self.todo: queue.Queue[KernelLaunch | None] = queue.Queue()
         self.threads: list[threading.Thread] = []
         self.lock = threading.Lock()
-        self.results = {"compiled": 0, "failed": 0, "launchers": 0, "kernel_seconds": 0.0}
+        self.results = {"compiled": 0, "failed": 0, "launchers": 0, "kernel_seconds": 0.0,
+                        "launcher_seconds": 0.0, "slowest": ("", 0.0)}
 
     def submit(self, launch: KernelLaunch) -> None:
         self.todo.put(launch)
@@ -175,7 +176,8 @@ class KernelCompiler:
     def finish(self) -> dict:
         """Wait for every submitted kernel; {"compiled", "failed", "launchers" (C launchers built
         too; none without a GPU driver), "workers", "seconds" (since construction),
-        "kernel_seconds" (summed)}. A kernel that fails here is logged and left to compile (and
+        "kernel_seconds" (summed), "launcher_seconds" (the launchers' share of it), "slowest"
+        (the name and seconds of the kernel that took longest)}. A kernel that fails here is logged and left to compile (and
         fail) at its launch."""
         for _ in self.threads:
             self.todo.put(None)
@@ -204,6 +206,9 @@ class KernelCompiler:
                     self.results["compiled" if answer["ok"] else "failed"] += 1
                     self.results["launchers"] += int(answer.get("launcher", False))
                     self.results["kernel_seconds"] += answer.get("seconds", 0.0)
+                    self.results["launcher_seconds"] += answer.get("launcher_seconds", 0.0)
+                    if answer.get("seconds", 0.0) > self.results["slowest"][1]:
+                        self.results["slowest"] = (launch.name, answer["seconds"])
                 if not answer["ok"]:
                     logger.warning("Triton worker could not compile %s: %s", launch.name, answer["error"])
                 if not line:

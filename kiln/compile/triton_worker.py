@@ -79,7 +79,9 @@ def main() -> None:
             fn = load_function(job["module"], job["file"], job["name"])
             src, options = source_and_options(fn, job["specialization"])
             kernel = triton.compile(src, target=target, options=options)
-            answer = {"ok": True, "launcher": build_launcher(kernel, target)}
+            compiled = time.perf_counter()
+            answer = {"ok": True, "launcher": build_launcher(kernel, target),
+                      "launcher_seconds": time.perf_counter() - compiled}
         except Exception:  # the parent logs it; its own launch then compiles (and raises) in-process
             answer = {"ok": False, "error": traceback.format_exc(limit=3)}
         print(json.dumps({**answer, "seconds": time.perf_counter() - start}), flush=True)

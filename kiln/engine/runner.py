@@ -18,6 +18,8 @@ from kiln.compile.cache import CompileCache
 from kiln.compile.cache import triton_kernels
 from kiln.compile.cache.preload import preload_if_warm
 from kiln.compile.compile_workers import start_before_cold_start, worker_count
+from kiln.compile.layer_stamping import layer_kinds
+from kiln.compile.opt_in import is_repeated_layer
 from kiln.compile.triton_precompile import KernelCompiler, MissingKernels, triton_target
 from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
 from kiln.cudagraph import CudagraphChoice, CudagraphDispatcher, ForwardCudagraphs, PackedStep, StepBuffers
@@ -132,6 +134,29 @@ class _Overlapped:
             logger.warning("kiln's kernels did not compile beside the pieces (%s: %s); they compile after them",
                            type(e).__name__, e)
         self.seconds = time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _first_layers_of_each_kind(model: torch.nn.Module, per_kind: int = 2):
+    """Run the model's eager forward through only the first `per_kind` of each kind of repeated
+    layer (kiln.compile.layer_stamping.layer_kinds): the other layers of a kind launch the same
+    kernels on the same shapes, so a kernel-recording run needs none of them (32 layers to 2).
+    Two, not one: a model's first layer is called with arguments (no residual yet) that the later
+    ones are not, and each pattern launches its own kernels."""
+    keep = {path for kind in layer_kinds(model) for path in kind[:per_kind]}
+    lists = [(path, m) for path, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and any(is_repeated_layer(layer) for layer in m)]
+    saved = [(m, m._modules) for _, m in lists]
+    try:
+        for path, m in lists:
+            prefix = f"{path}." if path else ""
+            # ModuleList iterates its _modules: a shorter dict, not new modules, keeps every name.
+            object.__setattr__(m, "_modules", {k: layer for k, layer in m._modules.items()
+                                                if not is_repeated_layer(layer) or prefix + k in keep})
+        yield
+    finally:
+        for m, modules in saved:
+            object.__setattr__(m, "_modules", modules)
 
 
 def _tuning() -> bool:
@@ -299,12 +324,15 @@ class ModelRunner:
         for launch in missing.launches.values():
             compiler.submit(launch)
         missing.compiler = compiler
+        # Only where every run is the model's own forward: a compiled one does not iterate the layers.
+        fewer_layers = eager or (self.compiled.mode == 0 and self.static_decode is None)
         try:
-            for i, run in enumerate(runs):
-                if i == 1 and not missing.launches:
-                    break
-                run()
-            torch.cuda.synchronize()
+            with _first_layers_of_each_kind(self.model) if fewer_layers else contextlib.nullcontext():
+                for i, run in enumerate(runs):
+                    if i == 1 and not missing.launches:
+                        break
+                    run()
+                torch.cuda.synchronize()
         finally:
             missing.compiler = None
             done = compiler.finish()
@@ -312,9 +340,10 @@ class ModelRunner:
         if not done["workers"]:  # nothing was missing
             return
         triton_kernels.add_worker_compiles(done)
-        logger.info("Triton: %d kernels compiled in %d processes in %.2f s%s", done["compiled"], done["workers"],
-                    done["seconds"], f" ({done['failed']} failed: they compile at their launch)"
-                    if done["failed"] else "")
+        logger.info("Triton: %d kernels compiled in %d processes in %.2f s (%.1f s in all, %.1f s of it building "
+                    "launchers; the slowest: %s, %.2f s)%s", done["compiled"], done["workers"], done["seconds"],
+                    done["kernel_seconds"], done["launcher_seconds"], *done["slowest"],
+                    f" ({done['failed']} failed: they compile at their launch)" if done["failed"] else "")
 
     def _kernels_on_eager(self, missing: MissingKernels) -> None:
         """_precompile_kernels on the model's own forward, which launches the same kernels of kiln's
