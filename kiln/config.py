@@ -35,6 +35,14 @@ CPU_STEP_SECONDS = 1.0  # max_step_seconds' default on the CPU
 # The dtypes whose linear weights the CPU prepacks for oneDNN (kiln/ops/cpu/packed_linear.py).
 CPU_PACKED_LINEAR_DTYPES = (torch.bfloat16,)
 
+
+def has_cuda_gpu() -> bool:
+    """torch.cuda.is_available() without starting the CUDA driver: the count comes from NVML
+    where it can. A process that started the driver cannot fork a child that uses CUDA, and the
+    compile workers are forked (kiln.compile.compile_workers)."""
+    return torch.cuda.device_count() > 0
+
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -98,7 +106,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.device == "cuda" and not torch.cuda.is_available():
+        if self.device == "cuda" and not has_cuda_gpu():
             raise ValueError("device='cuda' but torch sees no CUDA GPU; use device='cpu' or 'auto'")
         if isinstance(self.compilation, dict):
             self.compilation = compilation_config_from_dict(self.compilation)
@@ -164,7 +172,7 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            return torch.device("cuda" if has_cuda_gpu() else "cpu")
         return torch.device(self.device)
 
     @property

@@ -29,7 +29,12 @@ def _start(model, root, workers, meanwhile=None, **overrides):
     return compiled
 
 
-def test_workers_compile_the_pieces_and_a_second_start_loads_them(tiny_llama, tmp_path, caplog):
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_workers_compile_the_pieces_and_a_second_start_loads_them(tiny_llama, tmp_path, caplog, monkeypatch,
+                                                                   start_method):
+    # Forked where the parent has no other thread and no CUDA (this test's process), else spawned.
+    if start_method == "spawn":
+        monkeypatch.setattr("kiln.compile.compile_workers._fork_is_safe", lambda: False)
     # The caller's `meanwhile` runs once, after the jobs are handed over and before any artifact is in.
     meanwhile_saw = []
 
@@ -38,7 +43,7 @@ def test_workers_compile_the_pieces_and_a_second_start_loads_them(tiny_llama, tm
 
     with caplog.at_level(logging.INFO, logger="kiln.compile"):
         cold = _start(tiny_llama, tmp_path, workers=2, meanwhile=meanwhile)
-    assert "compiling 6 pieces in 2 worker processes" in caplog.text
+    assert f"compiling 6 pieces in 2 worker processes ({start_method})" in caplog.text
     assert meanwhile_saw == [(0, True)]
     stats = cold.stats
     assert stats["graphs_seen"] == 1 and stats["unique_pieces"] == 3
@@ -66,6 +71,7 @@ class FailingWorkers:
 
     count = 2
     timing = None
+    start_method = "spawn"
 
     def __init__(self):
         self.jobs = []

@@ -6,20 +6,25 @@ model spent 8.8 s compiling its 3 unique pieces one after another on a 16-core H
 Workers compile the pieces at the same time, into the compile-cache entry; the parent
 then loads what they wrote, exactly as a warm start would.
 
-Workers are spawned, not forked (the parent may hold a CUDA context), and each runs a
-warm-up task at once: their start-up (importing torch and Inductor, a first compile: ~5 s
-on the H200 host) overlaps the weights' load and Dynamo's trace in the parent. Where the
-start is surely cold (no entry of the model in the cache) the engine starts them before the
-weights load (`start_before_cold_start`), otherwise they start when a cold capture begins.
-They skip the parent's main script (kiln.compile.spawn).
+Each worker runs a warm-up task at once (importing Inductor, a first compile), so that its
+start-up overlaps the weights' load and Dynamo's trace in the parent. Where the start is surely
+cold (no entry of the model in the cache) the engine starts them before the weights load
+(`start_before_cold_start`), otherwise they start when a cold capture begins. They are forked
+where that is safe (Linux, the parent has not initialised CUDA and runs no other thread): a
+fork starts with the parent's imports, where a spawned worker imports torch, kiln and Dynamo
+itself (a spawned worker was warm 5.5-6.8 s after its start on the H200 host, ~3 s of it
+importing). Otherwise they are spawned, skipping the parent's main script (kiln.compile.spawn).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import multiprocessing
 import os
 import pickle
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
@@ -90,13 +95,16 @@ class PieceResult:
 class CompileWorkers:
     def __init__(self, count: int):
         self.count = count
-        self.pool = ProcessPoolExecutor(count, mp_context=SpawnContext())
-        # A pool spawns a process per task while none is idle: one warm-up task each starts them
-        # all, now. Each compiles its Triton kernels itself: a pool of Inductor's own per worker
-        # would start (and import torch) 16 more processes each, fighting Dynamo for the cores.
+        # A pool starts its processes at the first task (spawned: one per task while none is idle):
+        # one warm-up task each starts them all, now. Each compiles its Triton kernels itself: a pool
+        # of Inductor's own per worker would start 16 more processes each, fighting Dynamo for the cores.
         self.started = time.perf_counter()
         self._ready_at: list[float] = []  # when each warm-up finished
         with _environment(TORCHINDUCTOR_COMPILE_THREADS="1", TORCH_WARM_POOL="0"):
+            self.pool, self.start_method = _forked_pool(count), "fork"
+            if self.pool is None:
+                self.pool = ProcessPoolExecutor(count, mp_context=SpawnContext(), initializer=_settings)
+                self.start_method = "spawn"
             for _ in range(count):
                 self.pool.submit(_warm_up).add_done_callback(lambda _: self._ready_at.append(time.perf_counter()))
         self.timing: tuple[float, float] | None = None  # see compile()
@@ -119,6 +127,43 @@ class CompileWorkers:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _fork_is_safe() -> bool:
+    """A forked child may use CUDA only if the parent never initialised it, and holds no lock
+    another of the parent's threads held at the fork."""
+    import torch
+
+    return sys.platform == "linux" and not torch.cuda.is_initialized() and threading.active_count() == 1
+
+
+def _forked_pool(count: int) -> ProcessPoolExecutor | None:
+    """Workers forked from this process, or None where a fork is not safe."""
+    if not _fork_is_safe():
+        return None
+    pool = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork"), initializer=_settings)
+    # torch marks a child forked after the parent asked the CUDA runtime anything (even the device
+    # count): CUDA is unusable there, and torch.cuda.is_initialized() does not tell it beforehand.
+    if pool.submit(_cuda_is_usable).result():
+        return pool
+    pool.shutdown(wait=False, cancel_futures=True)
+    return None
+
+
+def _cuda_is_usable() -> bool:
+    import torch
+
+    return not torch.cuda._is_in_bad_fork()
+
+
+def _settings() -> None:
+    """First in every worker. A forked one inherits Inductor's settings as the parent imported
+    them, before _environment's variables were set."""
+    import torch
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
+    torch.set_num_threads(1)  # a compile runs no parallel op; a forked OpenMP pool may not be usable
 
 
 @contextlib.contextmanager

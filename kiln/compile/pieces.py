@@ -150,7 +150,8 @@ class PieceSet:
             out = store.path / f"{store.artifact(i, shape)}.{os.getpid()}.worker.tmp"
             jobs.append(PieceJob(i, shape, pickle.dumps(piece.graph), op_modules(piece.graph), piece.inputs, store,
                                  self.inductor_config, str(out)))
-        logger.info("compiling %d pieces in %d worker processes", len(jobs), self.workers.count)
+        logger.info("compiling %d pieces in %d worker processes (%s)", len(jobs), self.workers.count,
+                    self.workers.start_method)
         meanwhile, self.meanwhile = self.meanwhile, None
         for job, result in self.workers.compile(jobs, meanwhile):
             name = self.uniques[job.index].name
