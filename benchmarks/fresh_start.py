@@ -175,10 +175,11 @@ def main() -> None:
             report["modes"][mode] = measure_mode(args, mode, base, pycache)
             for case in ("cold", "imported", "warm"):
                 r = report["modes"][mode][case]
+                kernels = sum(v for k, v in r["phases_s"].items() if k.startswith("kernels"))
                 print(f"{mode:8s} {case:9s} engine ready {r['engine_ready_s']:6.2f} s, process ready "
                       f"{r['process_ready_s']:6.2f} s, compile {r['compile_phase_s']:5.2f} s, capture "
                       f"{r['capture_s']:5.2f} s, Triton compiles {r['triton_compiles']} ({r['triton_compiled_in_workers']} in "
-                      f"workers), kernels phase {r['phases_s'].get('kernels', 0):.2f} s, Inductor compiles "
+                      f"workers), kernels phases {kernels:.2f} s, Inductor compiles "
                       f"{r['inductor_compiles']}, Dynamo graphs {r['dynamo_graphs']}"
                       + (f", compile workers warm at {r['compile_workers_warm_s']:.2f} s, jobs at "
                          f"{r['compile_workers_jobs_s']:.2f} s" if r["compile_workers_warm_s"] else ""), flush=True)

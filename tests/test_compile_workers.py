@@ -21,11 +21,11 @@ def _inputs(n):
     return torch.randint(0, 512, (n,), generator=gen), torch.arange(n)
 
 
-def _start(model, root, workers, meanwhile=None, **overrides):
+def _start(model, root, workers, **overrides):
     config = CompilationConfig(**{**CONFIG, **overrides}, compile_workers=workers)
     compiled = compile_model(model, config, 64,
                              cache=CompileCache(CacheRoot(root), {"test": "workers"}, "tiny"))
-    compiled.warm_up(_inputs, meanwhile=meanwhile and (lambda: meanwhile(compiled)))
+    compiled.warm_up(_inputs)
     return compiled
 
 
@@ -35,16 +35,9 @@ def test_workers_compile_the_pieces_and_a_second_start_loads_them(tiny_llama, tm
     # Forked where the parent has no other thread and no CUDA (this test's process), else spawned.
     if start_method == "spawn":
         monkeypatch.setattr("kiln.compile.compile_workers._fork_is_safe", lambda: False)
-    # The caller's `meanwhile` runs once, after the jobs are handed over and before any artifact is in.
-    meanwhile_saw = []
-
-    def meanwhile(compiled):
-        meanwhile_saw.append((len(compiled.backend.pieces.by_shape), compiled.backend.workers is not None))
-
     with caplog.at_level(logging.INFO, logger="kiln.compile"):
-        cold = _start(tiny_llama, tmp_path, workers=2, meanwhile=meanwhile)
+        cold = _start(tiny_llama, tmp_path, workers=2)
     assert f"compiling 6 pieces in 2 worker processes ({start_method})" in caplog.text
-    assert meanwhile_saw == [(0, True)]
     stats = cold.stats
     assert stats["graphs_seen"] == 1 and stats["unique_pieces"] == 3
     assert stats["inductor_compiles"] == 6 and stats["compiles_after_capture"] == 0
@@ -58,8 +51,7 @@ def test_workers_compile_the_pieces_and_a_second_start_loads_them(tiny_llama, tm
     assert entry.complete() and entry.bad_files() == []
     assert not list(entry.path.rglob("*.worker.tmp"))
 
-    warm = _start(tiny_llama, tmp_path, workers=2, meanwhile=meanwhile)
-    assert meanwhile_saw == [(0, True)]  # a warm start compiles nothing: nothing to run beside
+    warm = _start(tiny_llama, tmp_path, workers=2)
     assert warm.stats["graphs_seen"] == 0 and warm.stats["inductor_compiles"] == 0
     assert warm.stats["pieces_loaded"] == 6
     ids, pos = _inputs(9)
@@ -76,7 +68,7 @@ class FailingWorkers:
     def __init__(self):
         self.jobs = []
 
-    def compile(self, jobs, meanwhile=None):
+    def compile(self, jobs):
         self.jobs += jobs
         return [(job, PieceResult(job.index, job.shape, 0.0, False, "RuntimeError: boom")) for job in jobs]
 

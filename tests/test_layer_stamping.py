@@ -221,8 +221,8 @@ def test_a_layer_class_that_inherits_its_forward_is_stamped_and_restored(tiny_ll
 
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_an_eager_call_while_stamping_runs_the_layers_as_written(tiny_llama_factory, mechanism):
-    # What the engine runs beside the piece compile (CompiledModel.warm_up's meanwhile) calls the
-    # model eagerly while the capture's stamping is on.
+    # A caller's eager call of the model while a capture's stamping is on (another thread, or
+    # work run while the pieces compile) runs the layers as written.
     model = tiny_llama_factory(3)
     expected = model(*INPUTS)
     with layer_stamping.stamping(model, mechanism):

@@ -123,7 +123,6 @@ class PiecewiseBackend:
         self.recorder: OutputRecorder | None = None
         self.ahead: list[TokenShape] = []  # shapes to compile at capture besides the first call's
         self.workers: CompileWorkers | None = None  # compile pieces side by side at capture
-        self.meanwhile: Callable[[], None] | None = None  # see CompiledModel.warm_up
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         fake_mode = torch._guards.TracingContext.get().fake_mode
@@ -168,7 +167,7 @@ class PiecewiseBackend:
         self.program = program
         self.pieces = PieceSet(program.uniques, self.plan, self.config.piece_compiler,
                                self.monitor, store, self.inductor_config, self.partitions)
-        self.pieces.workers, self.pieces.meanwhile = self.workers, self.meanwhile
+        self.pieces.workers = self.workers
         c = self.monitor.counters
         c.pieces, c.unique_pieces, c.opaque_regions = len(program.slots), len(program.uniques), len(program.regions)
         logger.info("split the graph into %d pieces (%d unique) around %d opaque regions",

@@ -274,7 +274,7 @@ class CompiledModel:
 
     def warm_up(self, make_inputs: Callable[[int], tuple],
                 context: Callable[[int], contextlib.AbstractContextManager] | None = None,
-                counts: list[int] | None = None, meanwhile: Callable[[], None] | None = None) -> None:
+                counts: list[int] | None = None) -> None:
         """Make the forward ready for every compile range and size, so nothing compiles while
         serving: start warm from the cache if it can, then run what is still missing.
 
@@ -286,9 +286,7 @@ class CompiledModel:
         call with n tokens (the caller's per-call state, e.g. what opaque ops read). `counts`
         (mode 3): make only these token counts ready instead of every range and size; the
         capture call then takes one of them (the largest up to CAPTURE_TOKENS, and >= 2: Dynamo
-        specialises a count of 1). `meanwhile` (mode 3): the caller's own work, run in this process
-        while worker processes compile the capture's pieces, where they do (a cold start with
-        compile workers); not run otherwise.
+        specialises a count of 1).
         """
         if self.capture is None:
             return
@@ -307,17 +305,10 @@ class CompiledModel:
             self._warm_start()
             # The calls below need these shapes: a capture compiles them all at once.
             self.backend.ahead = ahead
-            self.backend.meanwhile = meanwhile
-        try:
-            for n in dict.fromkeys(calls):
-                if not self._ready_for(n):
-                    with context(n) if context is not None else contextlib.nullcontext():
-                        self(*make_inputs(n))
-        finally:
-            if self.backend is not None:  # a compile after the warm-up (lazy strategy) runs nothing else
-                self.backend.meanwhile = None
-                if self.backend.pieces is not None:
-                    self.backend.pieces.meanwhile = None
+        for n in dict.fromkeys(calls):
+            if not self._ready_for(n):
+                with context(n) if context is not None else contextlib.nullcontext():
+                    self(*make_inputs(n))
 
     def start_from_cache(self) -> bool:
         """Load the forward from the compile cache, without Dynamo, if an entry has it: True

@@ -76,8 +76,6 @@ class PieceSet:
         self.frozen = False  # eager strategy: everything is compiled, serving must not compile
         self.captured = False
         self.workers: CompileWorkers | None = None  # while set, misses compile side by side in them
-        # The caller's own work, run once while the workers compile (see CompiledModel.warm_up).
-        self.meanwhile: Callable[[], None] | None = None
 
     def table(self, num_tokens: int) -> list[Callable]:
         """The artifact of every unique piece for a call with `num_tokens` tokens."""
@@ -152,8 +150,7 @@ class PieceSet:
                                  self.inductor_config, str(out)))
         logger.info("compiling %d pieces in %d worker processes (%s)", len(jobs), self.workers.count,
                     self.workers.start_method)
-        meanwhile, self.meanwhile = self.meanwhile, None
-        for job, result in self.workers.compile(jobs, meanwhile):
+        for job, result in self.workers.compile(jobs):
             name = self.uniques[job.index].name
             if result.error is not None:
                 logger.warning("a compile worker failed on %s for %s (%s); compiling it here",

@@ -162,11 +162,16 @@ class KernelCompiler:
         self.header = json.dumps([target.backend, target.arch, target.warp_size]) + "\n"
         self.todo: queue.Queue[KernelLaunch | None] = queue.Queue()
         self.threads: list[threading.Thread] = []
+        self.submitted: set[str] = set()  # the launches' specializations
         self.lock = threading.Lock()
         self.results = {"compiled": 0, "failed": 0, "launchers": 0, "kernel_seconds": 0.0,
                         "launcher_seconds": 0.0, "slowest": ("", 0.0)}
 
     def submit(self, launch: KernelLaunch) -> None:
+        """Compile `launch`'s kernel, unless it was submitted before."""
+        if launch.specialization in self.submitted:
+            return
+        self.submitted.add(launch.specialization)
         self.todo.put(launch)
         if len(self.threads) < self.workers:
             thread = threading.Thread(target=self._feed, daemon=True)

@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,7 +16,7 @@ from kiln.compile import CompiledModel, compile_model
 from kiln.compile.cache import CompileCache
 from kiln.compile.cache import triton_kernels
 from kiln.compile.cache.preload import preload_if_warm
-from kiln.compile.compile_workers import start_before_cold_start, worker_count
+from kiln.compile.compile_workers import compiles_in_workers, start_before_cold_start, worker_count
 from kiln.compile.layer_stamping import layer_kinds
 from kiln.compile.opt_in import is_repeated_layer
 from kiln.compile.triton_precompile import KernelCompiler, MissingKernels, triton_target
@@ -89,10 +88,8 @@ def compile_static_decode(model: torch.nn.Module, config: EngineConfig, cache: C
     return compiled
 
 
-def _make_ready(compiled: CompiledModel, timeline: StartupTimeline, counts: list[int] | None = None,
-                meanwhile: Callable[[], None] | None = None) -> None:
-    """Run the compiled forward's warm-up (CompiledModel.warm_up, `meanwhile` passed on) and put
-    its parts on the timeline."""
+def _make_ready(compiled: CompiledModel, timeline: StartupTimeline, counts: list[int] | None = None) -> None:
+    """Run the compiled forward's warm-up (CompiledModel.warm_up) and put its parts on the timeline."""
     if compiled.mode == 0:
         return
     dev = next(compiled.model.parameters()).device
@@ -100,8 +97,7 @@ def _make_ready(compiled: CompiledModel, timeline: StartupTimeline, counts: list
         # Values do not matter, only token counts; position 0 is valid for any model.
         compiled.warm_up(lambda n: (torch.zeros(n, dtype=torch.long, device=dev),
                                     torch.zeros(n, dtype=torch.long, device=dev)),
-                         context=lambda n: set_forward_context(warm_up_metadata(n, dev), {}), counts=counts,
-                         meanwhile=meanwhile)
+                         context=lambda n: set_forward_context(warm_up_metadata(n, dev), {}), counts=counts)
     stats = compiled.stats
     # Only what ran: a warm start records cache_load, a cold one dynamo, split (the backend's
     # own work: splitting, piece inputs, dedup, the cache key) and inductor.
@@ -116,24 +112,6 @@ def _in_background(fn: Callable) -> concurrent.futures.Future:
     future = executor.submit(fn)
     executor.shutdown(wait=False)
     return future
-
-
-class _Overlapped:
-    """kiln's kernel precompile handed to CompiledModel.warm_up as `meanwhile`: timed (seconds
-    stays None if it never ran); a failure only loses the head start, as the kernels phase
-    records and compiles whatever is still missing."""
-
-    def __init__(self, work: Callable[[], None]):
-        self.work, self.seconds = work, None
-
-    def __call__(self) -> None:
-        start = time.perf_counter()
-        try:
-            self.work()
-        except Exception as e:
-            logger.warning("kiln's kernels did not compile beside the pieces (%s: %s); they compile after them",
-                           type(e).__name__, e)
-        self.seconds = time.perf_counter() - start
 
 
 @contextlib.contextmanager
@@ -211,23 +189,24 @@ class ModelRunner:
             self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug,
             head=self._decode_head)
         with recorder or contextlib.nullcontext():
-            # Not under tensor parallelism: the recorded runs all-reduce, so every rank must run them
-            # at the same point, and whether a rank's pieces compile in workers is that rank's own
-            # affair (its cache, its workers' start).
-            overlapped = _Overlapped(lambda: self._kernels_on_eager(recorder)) \
-                if recorder is not None and config.tensor_parallel_size == 1 else None
-            _make_ready(self.compiled, timeline, meanwhile=overlapped)
-            if overlapped is not None and overlapped.seconds is not None:
-                # Inside the Inductor phase, not after it: the timeline's phases no longer add up there.
-                timeline.add("kernels_during_inductor", overlapped.seconds)
+            # Not under tensor parallelism: the recorded runs all-reduce, so every rank would have to
+            # make the same runs, and whether a rank's kernels are in the cache is its own affair.
+            early = None
+            if recorder is not None and config.tensor_parallel_size == 1:
+                with timeline.phase("kernels"):
+                    early = self._start_kernels_on_eager(recorder)
+            _make_ready(self.compiled, timeline)
             self.static_decode = compile_static_decode(self.model, config, cache, static_sizes, timeline) \
                 if static_sizes else None
             self.cudagraphs.static_forward = self.static_decode
             with timeline.phase("kv_cache"):
                 self.num_blocks = self._num_kv_blocks()
                 self.kv_caches = self._kv_caches(self.num_blocks)
+            if early is not None:
+                with timeline.phase("kernels_wait"):
+                    self._finish_kernels(recorder, early)
             if recorder is not None:
-                with timeline.phase("kernels"):
+                with timeline.phase("kernels_check"):
                     self._precompile_kernels(recorder, self.compiled, self.kv_caches)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                     self.num_blocks * self.bytes_per_block / 2**30)
@@ -304,23 +283,53 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _precompile_kernels(self, missing: MissingKernels, forward: Callable, kv_caches: dict[str, torch.Tensor],
-                            eager: bool = False, workers: int | None = None) -> None:
-        """Run what start-up runs next (each graph's warm-up, the GEMV warm-up) through `forward`
-        (`eager`: the model's own, for every graph) with missing kernels recorded instead of
-        compiled; each compiles in one of up to `workers` processes as soon as it is recorded
-        (those the compile phase and the KV-cache profile recorded first), while the runs go on.
-        The first run (the smallest graph's) is a probe: when nothing is missing after it, the
-        kernels are in Triton's cache dir and the other runs are left to the real start."""
+    def _precompile_kernels(self, missing: MissingKernels, forward: Callable,
+                            kv_caches: dict[str, torch.Tensor]) -> None:
+        """_record_kernels through `forward`, then wait for their compiles."""
+        compiler = self._kernel_compiler(missing)
+        try:
+            self._record_kernels(missing, forward, kv_caches, compiler)
+        finally:
+            self._finish_kernels(missing, compiler)
+
+    def _start_kernels_on_eager(self, missing: MissingKernels) -> KernelCompiler | None:
+        """_record_kernels on the model's own forward, which launches the same kernels of kiln's
+        ops as the compiled one, before that is traced and compiled: the kernels compile in other
+        processes meanwhile. Returns their compiler (_finish_kernels waits for it), None if the
+        runs failed (the kernels check records what is missing then). The KV cache is not sized
+        yet: one block serves, as the warm-up steps write no slot (-1) and read only block 0."""
+        cc = self.config.compilation_config
+        # Leave the cores the pieces compile on to them.
+        busy = worker_count(cc) if cc.mode != 0 and compiles_in_workers(cc) else 0
+        compiler = self._kernel_compiler(missing, max(1, (os.cpu_count() or 1) - busy))
+        try:
+            self._record_kernels(missing, self.model, self._kv_caches(1), compiler, eager=True)
+        except Exception as e:
+            logger.warning("kiln's kernels were not recorded before the compile (%s: %s); the kernels check "
+                           "records them after it", type(e).__name__, e)
+            self._finish_kernels(missing, compiler)
+            return None
+        return compiler
+
+    def _kernel_compiler(self, missing: MissingKernels, workers: int | None = None) -> KernelCompiler:
         from triton import knobs
 
+        return KernelCompiler(missing.target, knobs.cache.dir, workers)
+
+    def _record_kernels(self, missing: MissingKernels, forward: Callable, kv_caches: dict[str, torch.Tensor],
+                        compiler: KernelCompiler, eager: bool = False) -> None:
+        """Run what start-up runs next (each graph's warm-up, the GEMV warm-up) through `forward`
+        (`eager`: the model's own, for every graph) with missing kernels recorded instead of
+        compiled; each goes to `compiler` as soon as it is recorded (so do those recorded before),
+        while the runs go on. The first run (the smallest graph's) is a probe: when nothing is
+        missing after it, the kernels are in Triton's cache dir and the other runs are left to the
+        real start."""
         todo = self.cudagraphs.dispatcher.captures()  # largest first
         runs = [lambda: self.cudagraphs.warm_up(kv_caches, todo[-1:], eager)] if todo else []
         if "skinny_linear" in self.custom_ops:
             runs.append(lambda: self._warm_gemv(forward))
         runs.append(lambda: self._warm_up_requests(forward, kv_caches))
         runs.append(lambda: self.cudagraphs.warm_up(kv_caches, todo[:-1], eager))
-        compiler = KernelCompiler(missing.target, knobs.cache.dir, workers)
         for launch in missing.launches.values():
             compiler.submit(launch)
         missing.compiler = compiler
@@ -335,7 +344,15 @@ class ModelRunner:
                 torch.cuda.synchronize()
         finally:
             missing.compiler = None
+
+    def _finish_kernels(self, missing: MissingKernels, compiler: KernelCompiler) -> None:
+        """Wait for `compiler`'s kernels, with those recorded since its runs (the compile phase's,
+        the KV-cache profile's): the recorded kernels' next launches load them."""
+        try:
+            for launch in missing.launches.values():
+                compiler.submit(launch)
             done = compiler.finish()
+        finally:
             missing.compiled()
         if not done["workers"]:  # nothing was missing
             return
@@ -344,15 +361,6 @@ class ModelRunner:
                     "launchers; the slowest: %s, %.2f s)%s", done["compiled"], done["workers"], done["seconds"],
                     done["kernel_seconds"], done["launcher_seconds"], *done["slowest"],
                     f" ({done['failed']} failed: they compile at their launch)" if done["failed"] else "")
-
-    def _kernels_on_eager(self, missing: MissingKernels) -> None:
-        """_precompile_kernels on the model's own forward, which launches the same kernels of kiln's
-        ops as the compiled pieces: run while worker processes compile those pieces (kiln's
-        kernels do not wait for them). The KV cache is not sized yet: one block serves, as the
-        warm-up steps write no slot (-1) and read only block 0."""
-        # Leave the cores the piece compiles run on to them.
-        workers = max(1, (os.cpu_count() or 1) - worker_count(self.config.compilation_config))
-        self._precompile_kernels(missing, self.model, self._kv_caches(1), eager=True, workers=workers)
 
     def _profile_gpu_blocks(self) -> int:
         """Blocks that fit in the GPU share left after a forward of the largest batch."""
