@@ -32,9 +32,9 @@ def _start(model, root, workers, **overrides):
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_workers_compile_the_pieces_and_a_second_start_loads_them(tiny_llama, tmp_path, caplog, monkeypatch,
                                                                    start_method):
-    # Forked where the parent has no other thread and no CUDA (this test's process), else spawned.
-    if start_method == "spawn":
-        monkeypatch.setattr("kiln.compile.compile_workers._fork_is_safe", lambda: False)
+    # Forked where the parent has no other thread and no CUDA, else spawned: both ways here (the
+    # test process may have threads other tests left).
+    monkeypatch.setattr("kiln.compile.compile_workers._fork_is_safe", lambda: start_method == "fork")
     with caplog.at_level(logging.INFO, logger="kiln.compile"):
         cold = _start(tiny_llama, tmp_path, workers=2)
     assert f"compiling 6 pieces in 2 worker processes ({start_method})" in caplog.text
@@ -116,6 +116,68 @@ def test_workers_started_before_a_cold_start_compile_its_capture(tiny_llama, tmp
     fresh = CompileCache(CacheRoot(tmp_path / "fresh"), {"test": "workers"}, "tiny")
     compile_workers.start_before_cold_start(CompilationConfig(**CONFIG, compile_workers=1), fresh, "cpu")
     assert fresh.workers is None
+
+
+def test_workers_started_ahead_are_forked_there_and_taken_by_an_engine_built_on_another_thread(tiny_llama, tmp_path,
+                                                                                            monkeypatch):
+    """`kiln serve` builds its engine on a thread beside uvicorn's loop, where workers could only
+    be spawned: it starts a cold start's workers first (start_ahead), and the engine's own
+    start_before_cold_start takes them."""
+    import threading
+
+    import kiln.compile.compile_workers as compile_workers
+
+    config = CompilationConfig(**CONFIG, compile_workers=2)
+    root = CacheRoot(tmp_path)
+    fork_is_safe = compile_workers._fork_is_safe
+    with monkeypatch.context() as patch:  # as in a fresh `kiln serve` process, whatever threads this one has
+        patch.setattr(compile_workers, "_fork_is_safe", lambda: True)
+        compile_workers.start_ahead(config, CompileCache(root, {"test": "workers"}, "tiny"), "cpu")
+    seen = {}
+
+    def engine_thread():
+        seen["fork_here"] = fork_is_safe()
+        cache = CompileCache(root, {"test": "workers"}, "tiny")
+        compile_workers.start_before_cold_start(config, cache, "cpu")
+        seen["workers"] = cache.workers
+        seen["compiled"] = compile_model(tiny_llama, config, 64, cache=cache)
+        seen["compiled"].warm_up(_inputs)
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert seen["fork_here"] is False  # a second thread runs: this one could only spawn them
+    assert seen["workers"].start_method == "fork" and not compile_workers._ahead
+    compiled = seen["compiled"]
+    assert compiled.stats["inductor_compiles"] == 6 and compiled.entry.complete()
+    for n in TOKEN_COUNTS:
+        ids, pos = _inputs(n)
+        torch.testing.assert_close(compiled(ids, pos), tiny_llama(ids, pos), rtol=1e-4, atol=1e-4)
+
+
+def test_kiln_serve_starts_a_cold_start_s_workers_before_the_engine_thread(tmp_path, monkeypatch):
+    """What kiln.server.run.serve does before uvicorn starts: the -O2 engine of a model with no
+    entry in the cache gets its workers; with an entry there, none start."""
+    import kiln.compile.compile_workers as compile_workers
+    from kiln.config import EngineConfig
+    from kiln.engine.runner import compile_cache, start_compile_workers_ahead
+    from kiln.loader import load_source
+
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    config = EngineConfig(model="smollm2", device="cpu", compilation={"mode": 3, "compile_workers": 2})
+    source = load_source(config.model)
+    start_compile_workers_ahead(config, source)
+    try:
+        assert len(compile_workers._ahead) == 1
+    finally:
+        for workers in compile_workers._ahead.values():
+            workers.close()
+        compile_workers._ahead.clear()
+    cache = compile_cache(source, config.torch_dtype, config.resolved_custom_ops())
+    monkeypatch.setattr(cache.root, "has_entry_for", lambda name, device_type: True)
+    monkeypatch.setattr("kiln.engine.runner.compile_cache", lambda *args: cache)
+    start_compile_workers_ahead(config, source)
+    assert not compile_workers._ahead
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "two"])

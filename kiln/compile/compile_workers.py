@@ -55,18 +55,40 @@ def compiles_in_workers(config) -> bool:
     return config.piece_compiler == "inductor" and not config.passes and worker_count(config) >= 2
 
 
+# Workers start_ahead started for an engine built later, by (cache root, model, device type).
+_ahead: dict[tuple[str, str, str], CompileWorkers] = {}
+
+
 def start_before_cold_start(config, cache, device_type: str) -> None:
     """Start the workers now, before the weights load, where a cold capture with workers is
     certain to follow: mode 3, compiles_in_workers, and no entry of this model on this device
     type in `cache` (a CompileCache), which keeps them for the capture. The capture starts them
-    itself otherwise."""
-    if (cache is None or config.mode != 3 or config.debug_guards or not compiles_in_workers(config)
-            or cache.root.has_entry_for(cache.name, device_type)):
-        return
+    itself otherwise. Workers start_ahead started for this cache are taken instead."""
+    if _certainly_cold(config, cache, device_type):
+        early = _ahead.pop((str(cache.root.path), cache.name, device_type), None)
+        cache.workers = early or _started(config)
+
+
+def start_ahead(config, cache, device_type: str) -> None:
+    """start_before_cold_start for an engine that another thread builds later (`kiln serve`'s,
+    beside uvicorn's loop): workers fork only from a process with one thread, so they start
+    here, and that engine's start_before_cold_start takes them."""
+    if _certainly_cold(config, cache, device_type):
+        workers = _started(config)
+        if workers is not None:
+            _ahead[(str(cache.root.path), cache.name, device_type)] = workers
+
+
+def _certainly_cold(config, cache, device_type: str) -> bool:
+    return not (cache is None or config.mode != 3 or config.debug_guards or not compiles_in_workers(config)
+                or cache.root.has_entry_for(cache.name, device_type))
+
+
+def _started(config) -> CompileWorkers | None:
     try:
-        cache.workers = CompileWorkers(worker_count(config))
+        return CompileWorkers(worker_count(config))
     except Exception:  # the capture tries again, and says why if it fails too
-        pass
+        return None
 
 
 @dataclass

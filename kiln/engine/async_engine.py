@@ -32,6 +32,7 @@ from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.outputs import RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.timeline import StartupTimeline
+from kiln.loader import ModelSource
 
 logger = logging.getLogger("kiln")
 
@@ -75,9 +76,11 @@ class _Request:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, timeline: StartupTimeline | None = None):
+    def __init__(self, config: EngineConfig, timeline: StartupTimeline | None = None,
+                 source: ModelSource | None = None):
         self.config = config
         self.timeline = timeline or StartupTimeline()
+        self.source = source  # the model's, where the caller loaded it (else the engine thread does)
         self.engine: LLMEngine | None = None  # set by the engine thread once built
         self.failure: BaseException | None = None  # why the engine failed to start, or stopped serving
         self.stats = EngineStats()
@@ -173,7 +176,8 @@ class AsyncEngine:
 
     def _run(self, on_failure) -> None:
         try:
-            self.engine = LLMEngine(self.config, self.timeline)
+            self.engine = LLMEngine(self.config, self.timeline, self.source)
+            self.source = None
         except Exception as e:
             self._fail(e, on_failure, f"engine start-up failed in phase {self.timeline.current}")
             return

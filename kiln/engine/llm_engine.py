@@ -20,13 +20,15 @@ from kiln.engine.sequence import Sequence
 from kiln.engine.structured_output import GrammarCompiler
 from kiln.engine.timeline import StartupTimeline
 from kiln.engine.tp_runner import TensorParallelRunner
-from kiln.loader import load_source
+from kiln.loader import ModelSource, load_source
 
 logger = logging.getLogger("kiln")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, timeline: StartupTimeline | None = None):
+    def __init__(self, config: EngineConfig, timeline: StartupTimeline | None = None,
+                 source: ModelSource | None = None):
+        """`source`: the model's, where the caller loaded it already (load_source(config.model))."""
         if config.torch_device.type == "cpu":
             # Decided once, here: the ranks kiln starts take this count and do not sample the CPUs themselves.
             threads, why = choose_threads(config.cpu_threads, config.tensor_parallel_size)
@@ -35,7 +37,7 @@ class LLMEngine:
         self.config = config
         self.timeline = timeline or StartupTimeline()
         with self.timeline.phase("checkpoint"):
-            self.source = load_source(config.model)
+            self.source = source or load_source(config.model)
             self.tokenizer = self.source.tokenizer
             self.max_model_len = self._max_model_len()
         if config.tensor_parallel_size > 1:

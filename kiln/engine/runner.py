@@ -16,7 +16,7 @@ from kiln.compile import CompiledModel, compile_model
 from kiln.compile.cache import CompileCache
 from kiln.compile.cache import triton_kernels
 from kiln.compile.cache.preload import preload_if_warm
-from kiln.compile.compile_workers import compiles_in_workers, start_before_cold_start, worker_count
+from kiln.compile.compile_workers import compiles_in_workers, start_ahead, start_before_cold_start, worker_count
 from kiln.compile.layer_stamping import layer_kinds
 from kiln.compile.opt_in import is_repeated_layer
 from kiln.compile.triton_precompile import KernelCompiler, MissingKernels, triton_target
@@ -58,6 +58,14 @@ def compile_cache(source: ModelSource, dtype: torch.dtype, custom_ops: frozenset
     arch = {k: v for k, v in dataclasses.asdict(source.config).items() if k not in ("bos_token_id", "eos_token_ids")}
     return CompileCache.from_env({"architecture": arch, "dtype": str(dtype).removeprefix("torch."),
                                   "custom_ops": sorted(custom_ops)}, name=source.name)
+
+
+def start_compile_workers_ahead(config: EngineConfig, source: ModelSource) -> None:
+    """For an engine that another thread builds later: see compile_workers.start_ahead. (Under
+    tensor parallelism each rank starts its own, in its own process.)"""
+    if config.tensor_parallel_size == 1:
+        cache = compile_cache(source, config.torch_dtype, config.resolved_custom_ops())
+        start_ahead(config.compilation_config, cache, config.torch_device.type)
 
 
 def compile_forward(model: torch.nn.Module, config: EngineConfig, cache: CompileCache | None,

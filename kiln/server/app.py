@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kiln.config import EngineConfig
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.timeline import StartupTimeline
-from kiln.loader import DEFAULT_MODEL
+from kiln.loader import DEFAULT_MODEL, ModelSource
 from kiln.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kiln.server.errors import install_error_handlers
 from kiln.server.metrics import ServerMetrics
@@ -31,9 +31,10 @@ from kiln.server.serving import OpenAIServing
 def build_app(config: EngineConfig, served_model_name: str | None = None,
               timeline: StartupTimeline | None = None,
               on_failure: Callable[[BaseException], None] | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The app; its engine is built in a background thread when the app starts (lifespan)."""
-    engine = AsyncEngine(config, timeline)
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, source: ModelSource | None = None) -> FastAPI:
+    """The app; its engine is built in a background thread when the app starts (lifespan), from
+    `source` where the caller loaded the model already."""
+    engine = AsyncEngine(config, timeline, source)
     model_name = served_model_name or config.model or DEFAULT_MODEL
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(engine, model_name, metrics)

@@ -13,7 +13,9 @@ import logging
 import uvicorn
 
 from kiln.config import EngineConfig
+from kiln.engine.runner import start_compile_workers_ahead
 from kiln.engine.timeline import StartupTimeline
+from kiln.loader import load_source
 from kiln.server.app import build_app
 
 logger = logging.getLogger("kiln")
@@ -32,7 +34,15 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
         server.should_exit = True
 
     limit = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes}
-    app = build_app(config, served_model_name, timeline, exit_on_failure, **limit)
+    # The engine is built on a thread beside uvicorn's loop, and compile workers fork only from a
+    # process with one thread: a cold start's are started here, now.
+    try:
+        source = load_source(config.model)
+    except Exception:  # the engine's own start fails on it, and says why
+        source = None
+    if source is not None:
+        start_compile_workers_ahead(config, source)
+    app = build_app(config, served_model_name, timeline, exit_on_failure, source=source, **limit)
     engine = app.state.engine
 
     class _Server(uvicorn.Server):
