@@ -147,7 +147,7 @@ def test_skinny_linear_is_on_by_default_on_cuda_and_for_bf16_on_the_cpu(monkeypa
     assert "skinny_linear" in EngineConfig(model="tiny-llama", device="cpu", dtype="bfloat16").resolved_custom_ops()
     asked = EngineConfig(model="tiny-llama", device="cpu", custom_ops=["all", "+skinny_linear"])
     assert "skinny_linear" in asked.resolved_custom_ops()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the config only, nothing runs
+    monkeypatch.setattr("kiln.config.has_cuda_gpu", lambda: True)  # the config only, nothing runs
     assert "skinny_linear" in EngineConfig(model="tiny-llama", device="cuda").resolved_custom_ops()
 
 
@@ -168,6 +168,6 @@ def test_inductor_compiles_take_the_norm_and_gemv_kernels_by_default(monkeypatch
     assert eager.resolved_custom_ops() == set(known_ops()) - {"skinny_linear"}
     asked = EngineConfig(model="tiny-llama", device="cpu", compilation=CompilationConfig.level(2), custom_ops=["none"])
     assert asked.resolved_custom_ops() == frozenset()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the config only, nothing runs
+    monkeypatch.setattr("kiln.config.has_cuda_gpu", lambda: True)  # the config only, nothing runs
     on_gpu = EngineConfig(model="tiny-llama", device="cuda", compilation=CompilationConfig.level(2))
     assert on_gpu.default_custom_ops == ["all"] and on_gpu.resolved_custom_ops() == set(known_ops())
