@@ -182,8 +182,8 @@ class KernelCompiler:
         """Wait for every submitted kernel; {"compiled", "failed", "launchers" (C launchers built
         too; none without a GPU driver), "workers", "seconds" (since construction),
         "kernel_seconds" (summed), "launcher_seconds" (the launchers' share of it), "slowest"
-        (the name and seconds of the kernel that took longest)}. A kernel that fails here is logged and left to compile (and
-        fail) at its launch."""
+        (the name and seconds of the kernel that took longest)}. A kernel that fails here is
+        logged and left to compile (and fail) at its launch."""
         for _ in self.threads:
             self.todo.put(None)
         for thread in self.threads:
