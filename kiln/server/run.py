@@ -38,10 +38,9 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
     # process with one thread: a cold start's are started here, now.
     try:
         source = load_source(config.model)
-    except Exception:  # the engine's own start fails on it, and says why
-        source = None
-    if source is not None:
         start_compile_workers_ahead(config, source)
+    except Exception:  # only a head start: the engine's own start does both again, and says why they fail
+        source = None
     app = build_app(config, served_model_name, timeline, exit_on_failure, source=source, **limit)
     engine = app.state.engine
 
