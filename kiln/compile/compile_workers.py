@@ -65,8 +65,7 @@ def start_before_cold_start(config, cache, device_type: str) -> None:
     type in `cache` (a CompileCache), which keeps them for the capture. The capture starts them
     itself otherwise. Workers start_ahead started for this cache are taken instead."""
     if _certainly_cold(config, cache, device_type):
-        early = _ahead.pop((str(cache.root.path), cache.name, device_type), None)
-        cache.workers = early or _started(config)
+        cache.workers = _ahead.pop(_ahead_key(cache, device_type), None) or _started(config)
 
 
 def start_ahead(config, cache, device_type: str) -> None:
@@ -76,7 +75,11 @@ def start_ahead(config, cache, device_type: str) -> None:
     if _certainly_cold(config, cache, device_type):
         workers = _started(config)
         if workers is not None:
-            _ahead[(str(cache.root.path), cache.name, device_type)] = workers
+            _ahead[_ahead_key(cache, device_type)] = workers
+
+
+def _ahead_key(cache, device_type: str) -> tuple[str, str, str]:
+    return str(cache.root.path), cache.name, device_type
 
 
 def _certainly_cold(config, cache, device_type: str) -> bool:

@@ -224,8 +224,7 @@ def _kiln_stamped(forward):
 
     def stamped_forward(self, *args):
         if not torch.compiler.is_compiling():
-            # An eager call while the capture is on (work run beside the piece compile, see
-            # CompiledModel.warm_up): the layer as written.
+            # An eager call while the capture is on (from another thread, say): the layer as written.
             return forward(self, *args)
         absent = 0
         for i, a in enumerate(args):
