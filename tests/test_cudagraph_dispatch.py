@@ -199,3 +199,41 @@ def test_decode_without_a_graph_reports_the_graphs_context_bound():
     assert {mode for mode, *_ in seen} == {"none"}
     assert decodes and set(decodes) == {96}
     assert prefills and all(bound == real for bound, real in prefills)
+
+
+def _warmed_buckets(graphs) -> dict[str, list[int]]:
+    """Per phase, the buckets whose capture capture_all would precede with a warm-up run."""
+    warmed, out = set(), {"prefill": [], "decode": []}
+    for phase, bucket in graphs.dispatcher.captures():
+        if graphs._first_run(phase, bucket, warmed):
+            out[phase.name].append(bucket)
+    return out
+
+
+def test_only_the_first_capture_of_each_compiled_shape_is_warmed_up(tiny_llama, compiled_tiny_llama, monkeypatch):
+    from kiln.cudagraph.forward import ForwardCudagraphs
+
+    def graphs(level: int):
+        # Full graphs both phases: prefill buckets 1..64, decode 1..32, largest first.
+        d = dispatcher("FULL", level=level, max_num_seqs=32, max_tokens=64)
+        return ForwardCudagraphs(tiny_llama, compiled_tiny_llama, d,
+                                 StepBuffers(64, 32, 4, torch.device("cpu")), max_model_len=64, max_num_seqs=32)
+
+    # compiled_tiny_llama: ranges [1, 8] and [9, 64], sizes 4 and 16; each is its own code.
+    assert _warmed_buckets(graphs(2)) == {"prefill": [64, 16, 8, 4], "decode": [32, 16, 8, 4]}
+    assert _warmed_buckets(graphs(0)) == {"prefill": [64], "decode": [32]}  # the model's own forward
+    # Code that may compile again for another count (stock torch.compile) is warmed at every bucket.
+    monkeypatch.setattr(compiled_tiny_llama, "code_for", lambda n: None)
+    every = graphs(2)
+    assert _warmed_buckets(every) == {p.name: p.buckets.sizes[::-1] for p in (every.dispatcher.prefill,
+                                                                              every.dispatcher.decode)}
+
+
+def test_code_for_groups_counts_by_what_runs_them(compiled_tiny_llama, tiny_llama):
+    from kiln.compile import compile_model
+    from kiln.compile.config import CompilationConfig
+
+    assert compiled_tiny_llama.code_for(5) == compiled_tiny_llama.code_for(8) != compiled_tiny_llama.code_for(4)
+    assert compiled_tiny_llama.code_for(9) == compiled_tiny_llama.code_for(64)
+    assert compile_model(tiny_llama, CompilationConfig(mode=0), 64).code_for(7) == "eager"
+    assert compile_model(tiny_llama, CompilationConfig(mode=1), 64).code_for(7) is None

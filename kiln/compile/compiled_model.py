@@ -321,6 +321,17 @@ class CompiledModel:
         pieces = self.backend.pieces
         return pieces.compiler == "eager" or self.backend.plan.shape_for(num_tokens) in pieces.by_shape
 
+    def code_for(self, num_tokens: int):
+        """What runs a call of num_tokens tokens once the forward is ready, as a key: calls
+        with equal keys run the same code, so the first of them does the once-per-code work
+        (Inductor's autotuning, a kernel's first load) for all. None where that is not known:
+        modes 1 and 2 and checked guards may compile again for another count."""
+        if self.mode == 0:
+            return "eager"
+        if self.mode != 3 or self.config.debug_guards or self.backend is None:
+            return None
+        return self.backend.plan.shape_for(num_tokens)
+
     @property
     def entry(self):
         """The compile-cache entry this model uses, once its first call chose one."""

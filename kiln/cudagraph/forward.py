@@ -5,10 +5,10 @@ exists (a full graph's attention reads it): every (phase, bucket) the dispatcher
 largest first, into one memory pool. A decode step also runs the engine's `head` on its
 hidden states (the logits and the greedy choice): inside a full decode graph, so that the
 replay leaves only sampling's extra work, if any, to launch; after the forward otherwise.
-Each capture is preceded by one ordinary run of the
-same shape, so that nothing compiles, autotunes or allocates lazily inside the capture. On
-the CPU nothing is captured and every call passes through (with the same dispatch and
-padding, when enabled).
+The first capture of each piece of code (a phase's forward, for each compiled shape) is
+preceded by one ordinary run of the same shape, so that nothing compiles, autotunes or
+allocates lazily inside the capture. On the CPU nothing is captured and every call passes
+through (with the same dispatch and padding, when enabled).
 """
 
 from __future__ import annotations
@@ -96,9 +96,10 @@ class ForwardCudagraphs:
             return self.stats
         torch.cuda.synchronize(self.device)
         start = time.perf_counter()
+        warmed: set = set()
         with self.pool.session():
             for phase, bucket in todo:
-                self._capture(phase, bucket, kv_caches)
+                self._capture(phase, bucket, kv_caches, self._first_run(phase, bucket, warmed))
         torch.cuda.synchronize(self.device)
         used = self.pool.memory_bytes()
         self.stats.update(num_graphs=self.pool.num_graphs, capture_s=time.perf_counter() - start,
@@ -131,11 +132,28 @@ class ForwardCudagraphs:
         forward = self._forward(CudagraphChoice(phase.name, phase.mode, compiler, bucket))
         return (self._with_head(forward, phase.name) if phase.mode == "full" else forward), inputs
 
-    def _capture(self, phase: PhasePlan, bucket: int, kv_caches: dict[str, torch.Tensor]) -> None:
+    def _first_run(self, phase: PhasePlan, bucket: int, warmed: set) -> bool:
+        """Whether the capture of (phase, bucket) is the first of its code, and so needs a warm-up
+        run: a first call may autotune (Inductor times a kernel's configs once) or allocate what
+        it keeps. Later buckets of the same code are captured without one, as vLLM does: those
+        runs cost as much as the captures (30 of them took 1.0 of 2.3 s of an -O2 start on the
+        H200). A kernel variant of kiln's first launched in a capture only loads its module,
+        which a capture allows. Code that may compile per count is warmed for every bucket."""
+        compiler = "static" if phase.static_compile else phase.compiler
+        forward = self._forward(CudagraphChoice(phase.name, phase.mode, compiler, bucket))
+        code = forward.code_for(bucket) if isinstance(forward, CompiledModel) else "eager"
+        key = (phase.name, compiler, code)
+        if code is None or key not in warmed:
+            warmed.add(key)
+            return True
+        return False
+
+    def _capture(self, phase: PhasePlan, bucket: int, kv_caches: dict[str, torch.Tensor], warm_up: bool) -> None:
         forward, (ids, pos, meta) = self._bucket_inputs(phase, bucket)
         with set_forward_context(meta, kv_caches), torch.inference_mode():
-            with self.pool.capturing():
-                forward(ids, pos)  # warm-up: compiles, autotunes and allocates outside the capture
+            if warm_up:
+                with self.pool.capturing():
+                    forward(ids, pos)  # compiles, autotunes and allocates outside the capture
             with self.pool.capturing():
                 if phase.mode == "full":
                     graph, _ = self.pool.capture(forward, ids, pos)
