@@ -395,3 +395,13 @@ def test_a_damaged_index_is_a_warning_and_is_rebuilt(copy_of, caplog):
     with caplog.at_level(logging.WARNING, logger="kiln.compile"):
         assert CacheRoot(root).read_index(index.stem) is None
     assert f"index {index} is damaged" in caplog.text and not index.exists()
+
+
+def test_the_preload_skips_a_module_this_torch_lacks_but_not_a_broken_one(tmp_path, monkeypatch):
+    from kiln.compile.cache.preload import _import_if_present
+
+    _import_if_present("torch._inductor.no_such_module_in_any_torch")  # skipped
+    (tmp_path / "kiln_broken_probe.py").write_text("import kiln_missing_dependency_probe\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="kiln_missing_dependency_probe"):
+        _import_if_present("kiln_broken_probe")

@@ -91,10 +91,18 @@ class Preload:
 
     def _run(self) -> None:
         for module in COMMON_MODULES + DEVICE_MODULES.get(self.device.type, ()):
-            self._step("imports", lambda m=module: importlib.import_module(m))
+            self._step("imports", lambda m=module: _import_if_present(m))
         self._step("torch_key", _torch_key)
         if self.device.type == "cuda":
             self._step("triton_key", lambda: _triton_keys(self.cuda_index))
+
+
+def _import_if_present(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:  # the module is there but one of its imports is not
+            raise
 
 
 def _torch_key() -> None:
@@ -108,12 +116,13 @@ def _triton_keys(index: int) -> None:
 
     if not has_triton():
         return
-    from torch._inductor.codecache import triton_key
+    from torch._inductor import codecache
     from torch.utils._triton import triton_hash_with_backend
 
     torch.cuda.set_device(index)  # this thread's current device only
-    triton_key()
-    triton_hash_with_backend()
+    if hasattr(codecache, "triton_key"):  # torch >= 2.12 wraps Triton's in its own cache
+        codecache.triton_key()
+    triton_hash_with_backend()  # Triton's key (cached by Triton) and its backend's hash
 
 
 def start_preload(device: torch.device) -> Preload | None:
