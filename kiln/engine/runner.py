@@ -179,6 +179,10 @@ class ModelRunner:
             if packed:  # bf16 only: fp32 with an explicit +skinny_linear packs nothing
                 logger.info("linear weights prepacked for oneDNN: %.0f MB", packed / 2**20)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # On a fresh machine kiln's own Triton kernels are compiled in parallel processes (see
+        # kiln.compile.triton_precompile) before the real warm-up runs and captures, which then
+        # only load them.
+        recorder = MissingKernels(target.result()) if target is not None and not _tuning() else None
         dispatcher = CudagraphDispatcher.from_config(config.compilation_config, config.max_num_seqs,
                                                      config.max_num_batched_tokens,
                                                      enabled=self.device.type == "cuda")
@@ -192,12 +196,6 @@ class ModelRunner:
                         -(-self.max_model_len // self.block_size), self.device),
             self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug,
             head=self._decode_head)
-        # On a fresh machine kiln's own Triton kernels are compiled in parallel processes (see
-        # kiln.compile.triton_precompile) before the real warm-up runs and captures, which then
-        # only load them. The target is asked for only now, so that Triton's driver start (above)
-        # overlaps the forward's set-up too: on a cold -O2 start on the H200 it outlasted the
-        # weights by 0.57 s, and torch.compile's first call imports AOTAutograd (~0.4 s).
-        recorder = MissingKernels(target.result()) if target is not None and not _tuning() else None
         with recorder or contextlib.nullcontext():
             # Not under tensor parallelism: the recorded runs all-reduce, so every rank would have to
             # make the same runs, and whether a rank's kernels are in the cache is its own affair.
