@@ -50,7 +50,8 @@ class ForwardCudagraphs:
         if any(phase.mode == "piecewise" for phase in (dispatcher.prefill, dispatcher.decode)):
             compiled.wrap_pieces(self.piecewise.wrap)
         self.graphs: dict[tuple[str, int], object] = {}  # (phase, bucket) -> captured graph
-        self.stats = {"num_graphs": 0, "capture_s": 0.0, "graph_memory_bytes": 0, "buckets": 0}
+        self.stats = {"num_graphs": 0, "capture_s": 0.0, "graph_memory_bytes": 0, "buckets": 0,
+                      "warm_up_runs": 0, "warm_up_s": 0.0}  # the runs before captures (_first_run)
 
     # ------------------------------------------------------------------ per step
 
@@ -104,7 +105,7 @@ class ForwardCudagraphs:
         used = self.pool.memory_bytes()
         self.stats.update(num_graphs=self.pool.num_graphs, capture_s=time.perf_counter() - start,
                           graph_memory_bytes=used, buckets=len(todo))
-        log_capture(self.pool, used)
+        log_capture(self.pool, used, self.stats["warm_up_runs"], self.stats["warm_up_s"])
         return self.stats
 
     def warm_up(self, kv_caches: dict[str, torch.Tensor], todo: list[tuple[PhasePlan, int]],
@@ -152,8 +153,11 @@ class ForwardCudagraphs:
         forward, (ids, pos, meta) = self._bucket_inputs(phase, bucket)
         with set_forward_context(meta, kv_caches), torch.inference_mode():
             if warm_up:
+                start = time.perf_counter()
                 with self.pool.capturing():
                     forward(ids, pos)  # compiles, autotunes and allocates outside the capture
+                self.stats["warm_up_runs"] += 1
+                self.stats["warm_up_s"] += time.perf_counter() - start
             with self.pool.capturing():
                 if phase.mode == "full":
                     graph, _ = self.pool.capture(forward, ids, pos)
