@@ -124,5 +124,5 @@ class CapturedCudagraph:
 
 
 def log_capture(pool: CudagraphPool, memory_bytes: int, warm_up_runs: int, warm_up_s: float) -> None:
-    logger.info("captured %d CUDA graphs in %.2f s (%d warm-up runs before them: %.2f s), %.2f GiB of graph "
-                "memory", pool.num_graphs, pool.capture_s, warm_up_runs, warm_up_s, memory_bytes / 2**30)
+    logger.info("captured %d CUDA graphs in %.2f s (%.2f s of it in %d warm-up runs), %.2f GiB of graph memory",
+                pool.num_graphs, pool.capture_s, warm_up_s, warm_up_runs, memory_bytes / 2**30)
