@@ -162,6 +162,8 @@ def _forked_pool(count: int) -> ProcessPoolExecutor | None:
     """Workers forked from this process, or None where a fork is not safe."""
     if not _fork_is_safe():
         return None
+    importlib.import_module("torch._dynamo")  # else each child imports it again: ~1 s of its start
+
     pool = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork"), initializer=_settings)
     # torch marks a child forked after the parent asked the CUDA runtime anything (even the device
     # count): CUDA is unusable there, and torch.cuda.is_initialized() does not tell it beforehand.

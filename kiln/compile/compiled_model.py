@@ -12,22 +12,25 @@ import contextlib
 import inspect
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kiln.compile import layer_stamping, trace
-from kiln.compile.backend import PiecewiseBackend, compile_ahead, runnable
 from kiln.compile.cache import CompileCache, ModelCache
 from kiln.compile.cache.key import compiler_factor, digest, env_factor, source_name
 from kiln.compile.cache.store import no_room, warn_no_room
-from kiln.compile.capture import Capture, checked_backend
 from kiln.compile.compile_workers import CompileWorkers, compiles_in_workers, worker_count
 from kiln.compile.config import CompilationConfig
 from kiln.compile.direct_call import DirectCall, call_spec
 from kiln.compile.monitor import CompileMonitor, logger
 from kiln.compile.opt_in import dynamic_arg_dims
 from kiln.compile.split import SplitOp, check_split_ops, effective_split_ops
+
+if TYPE_CHECKING:  # imported where used: an eager forward (mode 0) imports no Dynamo
+    from kiln.compile.backend import PiecewiseBackend
+    from kiln.compile.capture import Capture
 
 _MODE_NAMES = {0: "eager", 1: "stock torch.compile", 2: "Dynamo once + backend", 3: "kiln piecewise"}
 
@@ -78,6 +81,9 @@ class CompiledModel:
         return waited
 
     def _capture(self, dims: dict[str, int]) -> Capture:
+        from kiln.compile.backend import PiecewiseBackend
+        from kiln.compile.capture import Capture, checked_backend
+
         config, max_tokens = self.config, self.max_num_batched_tokens
         owner = f"{type(self.model).__name__}.forward"
         if self.mode == 3:
@@ -116,6 +122,8 @@ class CompiledModel:
         Runs once; False sends the first call through Dynamo (which still loads pieces)."""
         if self.cache is None or self.model_cache is not None:
             return self.dispatch is not None
+        from kiln.compile.backend import compile_ahead
+
         # The preload's wait (in __init__) counts as part of the warm start.
         start = time.perf_counter() - self.preload_wait_s
         phase = self.monitor.warm_phase
@@ -206,6 +214,8 @@ class CompiledModel:
 
     def _direct_call(self) -> None:
         """Later calls go straight to the split graph, each piece through the wrapper if one is set."""
+        from kiln.compile.backend import runnable
+
         program = self.backend.program
         module = runnable(program, self.backend.pieces, self.piece_wrapper)
         self.dispatch = DirectCall(module, program.call, self.model, self.capture.signature)

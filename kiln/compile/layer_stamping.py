@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
-from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from kiln.compile.monitor import logger
 from kiln.compile.opt_in import is_repeated_layer
@@ -119,6 +118,8 @@ def stamping(model: nn.Module, mechanism: str = "auto") -> Iterator[None]:
     if not layers:
         yield
         return
+    import torch._dynamo
+
     mechanism = resolve(mechanism)
     logger.info("layer stamping: %d repeated layers, %s mechanism", len(layers), mechanism)
     keys: dict[str, int] = {}
@@ -132,6 +133,7 @@ def stamping(model: nn.Module, mechanism: str = "auto") -> Iterator[None]:
     try:
         for cls in originals:
             if mechanism == "kiln":
+                torch._dynamo.assume_constant_result(_claim)
                 cls.forward = _kiln_stamped(cls.forward)
             else:
                 cls.forward = torch.compiler.nested_compile_region(cls.forward, reuse_hash_fn=_reuse_key,
@@ -175,9 +177,9 @@ class _Capture:
 _capture = _Capture()
 
 
-@torch._dynamo.assume_constant_result
 def _claim(kind: int, index: int) -> bool:
-    """Run by Dynamo at trace time, not traced: whether this call is its kind's representative."""
+    """Run by Dynamo at trace time, not traced (`stamping` marks it so: Dynamo's import is a
+    second an eager start does not pay): whether this call is its kind's representative."""
     return _capture.claim(kind, index)
 
 
@@ -467,6 +469,8 @@ def _inline_call(gm: fx.GraphModule, call: fx.Node, rep: _Traced, args: list, we
     if len(args) != len(rep.args):
         raise StampError(f"layer {this_path} is called with {len(args)} tensors where the traced {rep_path} took "
                          f"{len(rep.args)}; the layers are not alike: {OFF}")
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
     env: dict[fx.Node, object] = {}
     for want, got in zip(rep.args, args):
         a, b = want.meta.get("example_value"), got.meta.get("example_value")

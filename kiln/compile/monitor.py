@@ -16,7 +16,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from torch._dynamo.utils import counters as torch_counters
 from tqdm import tqdm
 
 from kiln.compile import trace
@@ -110,12 +109,12 @@ class CompileMonitor:
 
     @contextlib.contextmanager
     def piece_compile(self, piece: str, index: int, shape, after_capture: bool):
-        hits = torch_counters["inductor"]["fxgraph_cache_hit"]
+        hits = _inductor_counters()["fxgraph_cache_hit"]
         start = time.perf_counter()
         yield
         seconds = time.perf_counter() - start
         self.times.compile_s += seconds
-        hit = min(torch_counters["inductor"]["fxgraph_cache_hit"] - hits, 1)
+        hit = min(_inductor_counters()["fxgraph_cache_hit"] - hits, 1)
         self.counters.inductor_compiles += 1
         self.counters.cache_hits += hit
         self.counters.cache_misses += 1 - hit
@@ -169,3 +168,10 @@ class CompileMonitor:
         # Only worth a bar when there is more than one thing to wait for.
         # On a terminal only: in a log file a bar's redraws would be one line glued to the next.
         return tqdm(total=total, desc=what, unit="piece", disable=total < 2 or not sys.stderr.isatty(), leave=False)
+
+
+def _inductor_counters():
+    # Imported on use: Dynamo's import is a second that an eager start does not pay.
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]

@@ -16,6 +16,7 @@ from kiln.distributed import tp_state
 from kiln.distributed.collectives import all_reduce
 from kiln.models.config import ModelArchConfig
 from kiln.models.parallel_layers import per_rank
+from kiln.ops.custom_op import call
 from kiln.ops.moe import fused_moe
 
 # Checkpoint names of an expert's projections -> (kiln parameter, part): part 0/1 are the gate and
@@ -44,7 +45,7 @@ class SparseMoE(nn.Module):
         self.reduce = tp.size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = fused_moe(x, F.linear(x, self.gate.weight), self.w13, self.w2, self.top_k, self.renormalize)
+        y = call(fused_moe, x, F.linear(x, self.gate.weight), self.w13, self.w2, self.top_k, self.renormalize)
         return all_reduce(y, self.tp.group_name) if self.reduce else y
 
     def parts(self, param: str) -> int:

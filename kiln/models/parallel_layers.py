@@ -22,6 +22,7 @@ from torch import nn
 
 from kiln.distributed import tp_state
 from kiln.distributed.collectives import all_gather, all_reduce
+from kiln.ops.custom_op import call
 from kiln.ops.linear import act_and_mul_linear_op, linear_matmul
 
 
@@ -88,7 +89,7 @@ class ColumnParallelLinear(ShardedLayer):
                 param.data.narrow(0, sum(self.shard_sizes[:i]), rows).copy_(mine)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.weight)
+        y = call(self.matmul, x, self.weight)
         if self.bias is not None:
             y = y + self.bias
         if not self.gather_output:
@@ -121,7 +122,8 @@ class RowParallelLinear(ShardedLayer):
         store(self.weight, full.narrow(1, self.tp.rank * self.shard_cols, self.shard_cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.weight) if self.activation is None else self.matmul(x, self.weight, self.activation)
+        y = call(self.matmul, x, self.weight) if self.activation is None else call(self.matmul, x, self.weight,
+                                                                                  self.activation)
         return all_reduce(y, self.tp.group_name) if self.reduce else y
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.custom_op import CustomOp
+from kiln.ops.custom_op import CustomOp, call, kernel, kiln_op
 
 
 def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
@@ -13,7 +13,7 @@ def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@torch.library.custom_op("kiln::silu_and_mul", mutates_args=())
+@kiln_op("kiln::silu_and_mul", mutates_args=())
 def silu_and_mul_op(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_native(x)
 
@@ -23,7 +23,7 @@ def _(x):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
-@silu_and_mul_op.register_kernel("cuda")
+@kernel(silu_and_mul_op, "cuda")
 def _(x):
     from kiln.ops.triton.activation import silu_and_mul
 
@@ -37,7 +37,7 @@ class SiluAndMul(CustomOp):
         return silu_and_mul_native(x)
 
     def forward_kernel(self, x):
-        return silu_and_mul_op(x)
+        return call(silu_and_mul_op, x)
 
 
 def gelu_tanh_and_mul_native(x: torch.Tensor) -> torch.Tensor:
@@ -45,7 +45,7 @@ def gelu_tanh_and_mul_native(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-@torch.library.custom_op("kiln::gelu_tanh_and_mul", mutates_args=())
+@kiln_op("kiln::gelu_tanh_and_mul", mutates_args=())
 def gelu_tanh_and_mul_op(x: torch.Tensor) -> torch.Tensor:
     return gelu_tanh_and_mul_native(x)
 
@@ -55,7 +55,7 @@ def _(x):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
-@gelu_tanh_and_mul_op.register_kernel("cuda")
+@kernel(gelu_tanh_and_mul_op, "cuda")
 def _(x):
     from kiln.ops.triton.activation import gelu_tanh_and_mul
 
@@ -69,7 +69,7 @@ class GeluTanhAndMul(CustomOp):
         return gelu_tanh_and_mul_native(x)
 
     def forward_kernel(self, x):
-        return gelu_tanh_and_mul_op(x)
+        return call(gelu_tanh_and_mul_op, x)
 
 
 # A gated MLP's activation by name: its CustomOp (whose switch says whether its kernel is on) and

@@ -30,11 +30,12 @@ from kiln.ops.attention_reference import (
 )
 from kiln.ops.cpu import sdpa_attention
 from kiln.ops.cpu.extension import kernel as cpu_kernel
+from kiln.ops.custom_op import call, kiln_op
 from kiln.ops.rotary import rotary_native
 
 
 @split_op(reason="writes the paged KV cache from the forward context")
-@torch.library.custom_op("kiln::kv_cache_write", mutates_args=())
+@kiln_op("kiln::kv_cache_write", mutates_args=())
 def kv_cache_write(key: torch.Tensor, value: torch.Tensor, layer_name: str) -> torch.Tensor:
     cache = _layer_cache(layer_name)
     if cache is not None:
@@ -71,7 +72,7 @@ def _layer_cache(layer_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 @split_op(reason="rotates q and k, then writes k and v into the paged KV cache from the forward context")
-@torch.library.custom_op("kiln::rotary_kv_cache_write", mutates_args=())
+@kiln_op("kiln::rotary_kv_cache_write", mutates_args=())
 def rotary_kv_cache_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           cos_sin_cache: torch.Tensor,
                           layer_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,7 +99,7 @@ def _(positions, q, k, v, cos_sin_cache, layer_name):
 
 
 @split_op(reason="attention over the paged KV cache; metadata from the forward context")
-@torch.library.custom_op("kiln::attention", mutates_args=("out",))
+@kiln_op("kiln::attention", mutates_args=("out",))
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_written: torch.Tensor,
               out: torch.Tensor, layer_name: str, scale: float, window: int = 0, softcap: float = 0.0) -> None:
     """window > 0: each query sees only the last `window` positions, itself included (Mistral's
@@ -234,8 +235,8 @@ class Attention(nn.Module):
         # Everything but the two ops first: a breakable graph's segment ends at each of them.
         out = torch.empty_like(q)
         if positions is None:
-            written = kv_cache_write(k, v, self.layer_name)
+            written = call(kv_cache_write, k, v, self.layer_name)
         else:
-            q, k, written = rotary_kv_cache_write(positions, q, k, v, cos_sin_cache, self.layer_name)
-        attention(q, k, v, written, out, self.layer_name, self.scale, self.window, self.softcap)
+            q, k, written = call(rotary_kv_cache_write, positions, q, k, v, cos_sin_cache, self.layer_name)
+        call(attention, q, k, v, written, out, self.layer_name, self.scale, self.window, self.softcap)
         return out.flatten(1)

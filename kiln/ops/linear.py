@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kiln.ops.activation import GATED_ACTIVATIONS
 from kiln.ops.cpu.packed_linear import packed_linear
-from kiln.ops.custom_op import CustomOp, is_enabled
+from kiln.ops.custom_op import CustomOp, is_enabled, kernel, kiln_op
 
 MAX_ROWS = 64  # kiln.ops.triton.gemv.MAX_ROWS; not imported here, so CPU never imports triton
 # Row counts that cover every autotuning key of the GEMV (one row; 2 to 16 pad to 16, then 32, 64).
@@ -28,7 +28,7 @@ GEMV_ROW_BUCKETS = (1, 16, 32, 64)
 _GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@torch.library.custom_op("kiln::skinny_linear", mutates_args=())
+@kiln_op("kiln::skinny_linear", mutates_args=())
 def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
@@ -44,7 +44,7 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dim() == 2 and weight.stride(-1) == 1)
 
 
-@skinny_linear_op.register_kernel("cuda")
+@kernel(skinny_linear_op, "cuda")
 def skinny_linear_cuda(x, weight):
     if not takes_gemv(x, weight):
         return F.linear(x, weight)
@@ -53,13 +53,13 @@ def skinny_linear_cuda(x, weight):
     return gemv.linear(x, weight)
 
 
-@skinny_linear_op.register_kernel("cpu")
+@kernel(skinny_linear_op, "cpu")
 def skinny_linear_cpu(x, weight):
     y = packed_linear(x, weight)
     return F.linear(x, weight) if y is None else y
 
 
-@torch.library.custom_op("kiln::act_and_mul_linear", mutates_args=())
+@kiln_op("kiln::act_and_mul_linear", mutates_args=())
 def act_and_mul_linear_op(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
     """The gated MLP's down projection with its activation: act(gate) * up @ weight.T for x =
     [gate | up]; activation "silu" (Llama) or "gelu_tanh" (Gemma 2)."""
@@ -71,7 +71,7 @@ def _(x, weight, activation):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-@act_and_mul_linear_op.register_kernel("cuda")
+@kernel(act_and_mul_linear_op, "cuda")
 def act_and_mul_linear_cuda(x, weight, activation):
     if takes_gemv(x, weight):
         from kiln.ops.triton import gemv
@@ -82,7 +82,7 @@ def act_and_mul_linear_cuda(x, weight, activation):
     return F.linear(gated_activation(x, activation), weight)
 
 
-@act_and_mul_linear_op.register_kernel("cpu")
+@kernel(act_and_mul_linear_op, "cpu")
 def act_and_mul_linear_cpu(x, weight, activation):
     gated = GATED_ACTIVATIONS[activation][1](x)
     y = packed_linear(gated, weight)

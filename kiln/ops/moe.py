@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.custom_op import kernel, kiln_op
+
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, top_k] fp32, expert ids [T, top_k]) of each token."""
@@ -60,7 +62,7 @@ def _check(hidden, router_logits, w13, w2, top_k):
         raise ValueError(f"fused_moe: top_k={top_k} must be between 1 and the {experts} experts")
 
 
-@torch.library.custom_op("kiln::fused_moe", mutates_args=())
+@kiln_op("kiln::fused_moe", mutates_args=())
 def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               top_k: int, renormalize: bool) -> torch.Tensor:
     _check(hidden, router_logits, w13, w2, top_k)
@@ -72,7 +74,7 @@ def _(hidden, router_logits, w13, w2, top_k, renormalize):
     return torch.empty_like(hidden)
 
 
-@fused_moe.register_kernel("cuda")
+@kernel(fused_moe, "cuda")
 def _(hidden, router_logits, w13, w2, top_k, renormalize):
     from kiln.ops.triton.moe import fused_moe as triton_fused_moe
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kiln.ops.cpu.extension import kernel as cpu_kernel
-from kiln.ops.custom_op import CustomOp, is_enabled
+from kiln.ops.custom_op import CustomOp, call, is_enabled, kernel, kiln_op
 
 
 def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
@@ -32,7 +32,7 @@ def fused_add_rms_norm_native(
     return rms_norm_native(residual, weight, eps, unit_offset), residual
 
 
-@torch.library.custom_op("kiln::rms_norm", mutates_args=())
+@kiln_op("kiln::rms_norm", mutates_args=())
 def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
     return rms_norm_native(x, weight, eps, unit_offset)
 
@@ -46,7 +46,7 @@ def _(x, weight, eps, unit_offset=False):
     return _normed_like(x, weight, unit_offset)
 
 
-@rms_norm_op.register_kernel("cuda")
+@kernel(rms_norm_op, "cuda")
 def _(x, weight, eps, unit_offset=False):
     from kiln.ops.triton.norm import rms_norm
 
@@ -61,7 +61,7 @@ def _cpu_kernel_for(*tensors: torch.Tensor):
     return kernel
 
 
-@rms_norm_op.register_kernel("cpu")
+@kernel(rms_norm_op, "cpu")
 def _(x, weight, eps, unit_offset=False):
     kernel = _cpu_kernel_for(x, weight)
     if kernel is None:
@@ -69,7 +69,7 @@ def _(x, weight, eps, unit_offset=False):
     return kernel.rms_norm(x, weight, eps, unit_offset)
 
 
-@torch.library.custom_op("kiln::fused_add_rms_norm", mutates_args=())
+@kiln_op("kiln::fused_add_rms_norm", mutates_args=())
 def fused_add_rms_norm_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,14 +81,14 @@ def _(x, residual, weight, eps, unit_offset=False):
     return _normed_like(x, weight, unit_offset), torch.empty_like(x)
 
 
-@fused_add_rms_norm_op.register_kernel("cuda")
+@kernel(fused_add_rms_norm_op, "cuda")
 def _(x, residual, weight, eps, unit_offset=False):
     from kiln.ops.triton.norm import fused_add_rms_norm
 
     return fused_add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
-@fused_add_rms_norm_op.register_kernel("cpu")
+@kernel(fused_add_rms_norm_op, "cpu")
 def _(x, residual, weight, eps, unit_offset=False):
     kernel = _cpu_kernel_for(x, residual, weight)
     if kernel is None:
@@ -112,12 +112,12 @@ class RMSNorm(CustomOp):
         if residual is None:
             return super().forward(x)
         if self.fused_uses_kernel:
-            return fused_add_rms_norm_op(x, residual, self.weight, self.eps, self.unit_offset)
+            return call(fused_add_rms_norm_op, x, residual, self.weight, self.eps, self.unit_offset)
         return fused_add_rms_norm_native(x, residual, self.weight, self.eps, self.unit_offset)
 
     def forward_native(self, x):
         return rms_norm_native(x, self.weight, self.eps, self.unit_offset)
 
     def forward_kernel(self, x):
-        return rms_norm_op(x, self.weight, self.eps, self.unit_offset)
+        return call(rms_norm_op, x, self.weight, self.eps, self.unit_offset)
 

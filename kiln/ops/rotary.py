@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kiln.ops.custom_op import CustomOp
+from kiln.ops.custom_op import CustomOp, call, kernel, kiln_op
 
 
 def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
@@ -69,7 +69,7 @@ def rotary_native(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return q.flatten(1), k.flatten(1)
 
 
-@torch.library.custom_op("kiln::rotary_embedding", mutates_args=())
+@kiln_op("kiln::rotary_embedding", mutates_args=())
 def rotary_op(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
               cos_sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rotary_native(positions, q, k, cos_sin_cache, head_dim)
@@ -83,7 +83,7 @@ def _(positions, q, k, cos_sin_cache, head_dim):
     return torch.empty_like(q), torch.empty_like(k)
 
 
-@rotary_op.register_kernel("cuda")
+@kernel(rotary_op, "cuda")
 def _(positions, q, k, cos_sin_cache, head_dim):
     from kiln.ops.triton.rotary import rotary_embedding
 
@@ -100,7 +100,8 @@ class RotaryEmbedding(CustomOp):
         super().__init__()
         self.head_dim, self.rotary_dim = head_dim, rotary_dim
         self.max_position, self.base, self.scaling = max_position, base, scaling
-        rope_inv_freq(rotary_dim, base, scaling)  # unknown scaling types fail at build time
+        with torch.device("cpu"):  # unknown scaling types fail at build time; on the meta device
+            rope_inv_freq(rotary_dim, base, scaling)  # the division would import all of Dynamo
         self.register_buffer("cos_sin_cache", torch.empty(max_position, rotary_dim), persistent=False)
 
     def init_buffers(self, device: torch.device) -> None:
@@ -112,4 +113,4 @@ class RotaryEmbedding(CustomOp):
         return rotary_native(positions, q, k, self.cos_sin_cache, self.head_dim)
 
     def forward_kernel(self, positions, q, k):
-        return rotary_op(positions, q, k, self.cos_sin_cache, self.head_dim)
+        return call(rotary_op, positions, q, k, self.cos_sin_cache, self.head_dim)

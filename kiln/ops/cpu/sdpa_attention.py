@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 # A sequence with at least this many queries in a step takes prefill_attention. Alone, SDPA wins
 # from 8 queries (above), but the kernel serves a step's short prompts in one call: with 8, 16
@@ -46,15 +45,14 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     value = kv_cache[1, blocks].flatten(0, 1)[skip: skip + length - first]
     if window == 0 and n < length:
         return _later_chunk(query, key, value, scale)
+    mask = None  # a whole prompt (n == length) without a window: plain causal
     if window > 0:
         positions = torch.arange(length - n, length)[:, None]
         keys = torch.arange(first, length)[None, :]
         mask = (keys <= positions) & (keys > positions - window)
-    else:
-        mask = causal_lower_right(n, length)  # a whole prompt (n == length): is_causal, no mask
     out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
-                                         value.transpose(0, 1)[None], attn_mask=mask, scale=scale,
-                                         enable_gqa=True)
+                                         value.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                                         scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
