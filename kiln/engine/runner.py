@@ -167,9 +167,10 @@ class ModelRunner:
         if self.device.type == "cuda":  # kiln's own kernels compile into the cache root (where one is on)
             triton_kernels.use_cache_root(cache.root.path) if cache is not None else triton_kernels.listen()
         if config.compilation_config.mode != 0:
-            # A compile imports Dynamo anyway: here, before the threads below start (two threads
-            # importing the same circular modules can deadlock). An eager start never imports it.
-            importlib.import_module("torch._dynamo")
+            # A compile imports Dynamo anyway (~1 s): here, on the timeline, before the threads below
+            # start (two threads importing the same circular modules can deadlock). Eager, never.
+            with timeline.phase("imports"):
+                importlib.import_module("torch._dynamo")
         # A warm start's once-per-process work (imports, torch's and Triton's keys) runs while the weights load,
         # and so does Triton's driver start (on a fresh machine it builds its C utilities first: ~0.7 s).
         preload_if_warm(config.compilation_config, cache, self.device)
