@@ -129,9 +129,13 @@ class ForwardCudagraphs:
         else:
             num_seqs, max_query_len, max_seq_len = 0, 1, 1
         inputs = self.buffers.load(empty, bucket, num_seqs, max_query_len, max_seq_len)
-        compiler = "eager" if eager else "static" if phase.static_compile else phase.compiler
-        forward = self._forward(CudagraphChoice(phase.name, phase.mode, compiler, bucket))
+        _, forward = self._phase_forward(phase, bucket, eager)
         return (self._with_head(forward, phase.name) if phase.mode == "full" else forward), inputs
+
+    def _phase_forward(self, phase: PhasePlan, bucket: int, eager: bool = False) -> tuple[str, Callable]:
+        """The compiler a (phase, bucket) graph takes (`eager`: the model's own forward) and its forward."""
+        compiler = "eager" if eager else "static" if phase.static_compile else phase.compiler
+        return compiler, self._forward(CudagraphChoice(phase.name, phase.mode, compiler, bucket))
 
     def _first_run(self, phase: PhasePlan, bucket: int, warmed: set) -> bool:
         """Whether the capture of (phase, bucket) is the first of its code, and so needs a warm-up
@@ -140,8 +144,7 @@ class ForwardCudagraphs:
         runs cost as much as the captures (30 of them took 1.0 of 2.3 s of an -O2 start on the
         H200). A kernel variant of kiln's first launched in a capture only loads its module,
         which a capture allows. Code that may compile per count is warmed for every bucket."""
-        compiler = "static" if phase.static_compile else phase.compiler
-        forward = self._forward(CudagraphChoice(phase.name, phase.mode, compiler, bucket))
+        compiler, forward = self._phase_forward(phase, bucket)
         code = forward.code_for(bucket) if isinstance(forward, CompiledModel) else "eager"
         key = (phase.name, compiler, code)
         if code is None or key not in warmed:
