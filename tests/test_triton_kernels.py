@@ -505,6 +505,30 @@ def test_paged_attention_other_head_dims(head_dim):
     assert_attention_matches(batch, batch.kernel_output(), batch.reference_output())
 
 
+@pytest.mark.parametrize("offsets_64", [False, True], ids=["offsets32", "offsets64"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_paged_attention_long_prompts(monkeypatch, offsets_64, num_heads, num_kv_heads):
+    """Contexts long enough that most key tiles are seen whole by every row of a program (the loop
+    without masks) beside the diagonal's and the last tile's (with them): a prompt of several
+    query tiles, a chunk after a prefix, a decode row; with 32- and 64-bit cache offsets."""
+    from kiln.ops.triton import attention
+
+    if offsets_64:
+        monkeypatch.setattr(attention, "MAX_INT32_OFFSET", 0)
+    batch = PagedBatch(query_lens=[130, 70, 1], seq_lens=[130, 400, 300], num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=64, block_size=16)
+    assert attention.needs_64bit_offsets(batch.kv_cache[0]) == offsets_64
+    assert_attention_matches(batch, batch.kernel_output(), batch.reference_output())
+
+
+def test_attention_cache_offsets_widen_past_int32():
+    from kiln.ops.triton.attention import needs_64bit_offsets
+
+    # [2, blocks, 16 slots, 8 heads, 128]: a block is 2**14 elements of each half
+    assert not needs_64bit_offsets(torch.empty(2, 2**17 - 1, 16, 8, 128, device="meta")[0])
+    assert needs_64bit_offsets(torch.empty(2, 2**17, 16, 8, 128, device="meta")[0])
+
+
 @pytest.mark.parametrize("kv_splits", [2, 4, 16])
 @pytest.mark.parametrize("shape", [DECODE, MIXED], ids=["decode", "mixed"])
 def test_paged_attention_split_kv(shape, kv_splits):
@@ -696,7 +720,7 @@ def _compile_all_for_sm90() -> None:
         query_start_loc_ptr="*i32", partial_acc_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
         counter_ptr="*i32", num_seqs=i32, scale_log2=f32, query_token_stride=i32, query_head_stride=i32,
         out_token_stride=i32, out_head_stride=i32, block_table_stride=i32, cache_block_stride=i32, cache_slot_stride=i32,
-        cache_head_stride=i32, block_size=i32, window=i32, softcap_log2=f32,
+        cache_head_stride=i32, window=i32, softcap_log2=f32,
     )
     # Decode split and not (the tiles of small and large batches), prefill, fp32; windowed decode and
     # prefill; Gemma 2's (head dim 256, windowed or not, soft-capped) decode and prefill.
@@ -709,8 +733,9 @@ def _compile_all_for_sm90() -> None:
         build(attention.paged_attention_kernel,
               dict(attention_args, query_ptr=pointer, key_cache_ptr=pointer, value_cache_ptr=pointer, out_ptr=pointer),
               dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DIM=head_dim,
-                   KV_SPLITS=splits, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", ONE_QUERY=one_query,
-                   HAS_WINDOW=window, HAS_SOFTCAP=softcap, HEADS_FIRST=one_query and head_dim == 128),
+                   BLOCK_SIZE=16, KV_SPLITS=splits, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", ONE_QUERY=one_query,
+                   HAS_WINDOW=window, HAS_SOFTCAP=softcap, HEADS_FIRST=one_query and head_dim == 128,
+                   OFFSETS_64=dtype == "fp32"),
               4, stages)
     # The MoE grouped GEMM: both launches (gate/up of the routed rows, weighted down), decode and prefill blocks.
     moe_args = dict(a_ptr=bf16, b_ptr=bf16, c_ptr=bf16, weight_ptr="*fp32", sorted_pairs_ptr="*i32",

@@ -40,13 +40,15 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, query_pos, key_begin, key_end, block_table_ptr, key_cache_ptr, value_cache_ptr,
-            cache_block_stride, cache_slot_stride, block_size, scale_log2, window, softcap_log2,
+def _attend(q, query_pos, first_pos, key_begin, key_end, block_table_ptr, key_cache_ptr, value_cache_ptr,
+            cache_block_stride, cache_slot_stride, scale_log2, window, softcap_log2,
             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DIM: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+            BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+            HAS_SOFTCAP: tl.constexpr, OFFSETS_64: tl.constexpr):
     """Online softmax of q [BLOCK_M, BLOCK_DIM] over keys [key_begin, key_end), causal by query_pos
     (and with HAS_WINDOW over each query's last `window` positions only; with HAS_SOFTCAP each
     score capped to softcap * tanh(score / softcap), softcap_log2 being softcap in log2 units).
+    first_pos: the smallest position of a valid row (key_begin a multiple of BLOCK_N).
 
     key_cache_ptr / value_cache_ptr already point at this program's kv head. Returns the
     unnormalised (acc, row_max, row_sum), scores in log2 units; a row that saw no key has
@@ -55,36 +57,81 @@ def _attend(q, query_pos, key_begin, key_end, block_table_ptr, key_cache_ptr, va
     acc = tl.zeros([BLOCK_M, BLOCK_DIM], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # Tiles every valid row sees whole (in range, at or before its position, no window) skip the
+    # masks: in a long prefill that is all but the diagonal's tiles, in decode all but the last.
+    if HAS_WINDOW:
+        full_end = key_begin
+    else:
+        seen_by_all = tl.minimum(first_pos + 1, key_end) - key_begin
+        full_end = key_begin + tl.maximum(seen_by_all, 0) // BLOCK_N * BLOCK_N
+    for tile_begin in range(key_begin, full_end, BLOCK_N):
+        acc, row_max, row_sum = _attend_tile(
+            q, query_pos, tile_begin, key_end, acc, row_max, row_sum, block_table_ptr, key_cache_ptr,
+            value_cache_ptr, cache_block_stride, cache_slot_stride, scale_log2, window, softcap_log2,
+            HEAD_DIM, BLOCK_N, BLOCK_DIM, BLOCK_SIZE, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, OFFSETS_64, False)
+    for tile_begin in range(full_end, key_end, BLOCK_N):
+        acc, row_max, row_sum = _attend_tile(
+            q, query_pos, tile_begin, key_end, acc, row_max, row_sum, block_table_ptr, key_cache_ptr,
+            value_cache_ptr, cache_block_stride, cache_slot_stride, scale_log2, window, softcap_log2,
+            HEAD_DIM, BLOCK_N, BLOCK_DIM, BLOCK_SIZE, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, OFFSETS_64, True)
+    if not HAS_SOFTCAP:  # the tiles kept raw maxima
+        row_max = row_max * scale_log2
+    return acc, row_max, row_sum
+
+
+@triton.jit
+def _attend_tile(q, query_pos, tile_begin, key_end, acc, row_max, row_sum, block_table_ptr, key_cache_ptr,
+                 value_cache_ptr, cache_block_stride, cache_slot_stride, scale_log2, window, softcap_log2,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 OFFSETS_64: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile of _attend's online softmax; MASKED: some key of it is past key_end or hidden
+    from some row. row_max is in the scores' units: log2 with HAS_SOFTCAP, raw dot products without."""
+    keys = tile_begin + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_DIM)
-    dim_mask = dims < HEAD_DIM
-    for tile_begin in range(key_begin, key_end, BLOCK_N):
-        keys = tile_begin + tl.arange(0, BLOCK_N)
-        in_range = keys < key_end
-        block = tl.load(block_table_ptr + keys // block_size, mask=in_range, other=0).to(tl.int64)
-        slots = block * cache_block_stride + (keys % block_size) * cache_slot_stride
-        # Out-of-range slots load zeros, not whatever the cache holds: 0 * NaN would poison the dot.
-        k_t = tl.load(key_cache_ptr + slots[None, :] + dims[:, None],
-                      mask=in_range[None, :] & dim_mask[:, None], other=0.0)
-        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
-        if HAS_SOFTCAP:
-            # In log2 units c * tanh(s / c) keeps its form with c scaled alike; tanh(x) = 1 - 2 / (e^2x + 1)
-            # saturates to +-1 without overflow (e^2x = inf gives 1).
-            scores = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap_log2) + 1.0))
+    in_range = keys < key_end
+    # A key's block and offset are a shift and a mask (BLOCK_SIZE is a constant).
+    if MASKED:
+        block = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0)
+    else:
+        block = tl.load(block_table_ptr + keys // BLOCK_SIZE)
+    if OFFSETS_64:
+        block = block.to(tl.int64)
+    slots = block * cache_block_stride + (keys % BLOCK_SIZE) * cache_slot_stride
+    # Out-of-range slots load zeros, not whatever the cache holds: 0 * NaN would poison the dot.
+    k_mask = (dims < HEAD_DIM)[:, None]
+    v_mask = (dims < HEAD_DIM)[None, :]
+    if MASKED:
+        k_mask = k_mask & in_range[None, :]
+        v_mask = v_mask & in_range[:, None]
+    k_t = tl.load(key_cache_ptr + slots[None, :] + dims[:, None], mask=k_mask, other=0.0)
+    scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+    if HAS_SOFTCAP:
+        # In log2 units c * tanh(s / c) keeps its form with c scaled alike; tanh(x) = 1 - 2 / (e^2x + 1)
+        # saturates to +-1 without overflow (e^2x = inf gives 1).
+        scores = scores * scale_log2
+        scores = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap_log2) + 1.0))
+        score_scale = 1.0
+    else:
+        # Raw scores, scaled inside the exponent: one FMA an element instead of a multiply and a subtract.
+        score_scale = scale_log2
+    if MASKED:
         visible = in_range[None, :] & (keys[None, :] <= query_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (keys[None, :] > query_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    if MASKED:
         # A row with nothing visible yet keeps max -inf; subtract 0 then, not -inf (inf - inf = nan).
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        p = tl.exp2(scores - safe_max[:, None])
-        correction = tl.exp2(row_max - safe_max)
-        row_sum = row_sum * correction + tl.sum(p, axis=1)
-        v = tl.load(value_cache_ptr + slots[:, None] + dims[None, :],
-                    mask=in_range[:, None] & dim_mask[None, :], other=0.0)
-        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        row_max = new_max
-    return acc, row_max, row_sum
+    else:
+        safe_max = new_max  # every row saw a key of this tile: finite
+    p = tl.exp2(scores * score_scale - (safe_max * score_scale)[:, None])
+    correction = tl.exp2((row_max - safe_max) * score_scale)
+    row_sum = row_sum * correction + tl.sum(p, axis=1)
+    v = tl.load(value_cache_ptr + slots[:, None] + dims[None, :], mask=v_mask, other=0.0)
+    acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, new_max, row_sum
 
 
 # num_seqs changes with the batch: specialising on its value (1, multiples of 16) would
@@ -94,10 +141,11 @@ def paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, counter_ptr, num_seqs, scale_log2,
     query_token_stride, query_head_stride, out_token_stride, out_head_stride, block_table_stride,
-    cache_block_stride, cache_slot_stride, cache_head_stride, block_size, window, softcap_log2,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_DIM: tl.constexpr, KV_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    cache_block_stride, cache_slot_stride, cache_head_stride, window, softcap_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ONE_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    OFFSETS_64: tl.constexpr,
 ):
     # HEADS_FIRST: the grid is (kv heads, tiles, splits), so a sequence's kv heads run side by side
     if HEADS_FIRST:
@@ -141,10 +189,10 @@ def paged_attention_kernel(
     key_end = tl.minimum(key_end, key_begin + tiles_per_split * BLOCK_N)
 
     acc, row_max, row_sum = _attend(
-        q, query_pos, key_begin, key_end, block_tables_ptr + seq * block_table_stride,
+        q, query_pos, context_len + first_row, key_begin, key_end, block_tables_ptr + seq * block_table_stride,
         key_cache_ptr + kv_head * cache_head_stride, value_cache_ptr + kv_head * cache_head_stride,
-        cache_block_stride, cache_slot_stride, block_size, scale_log2, window, softcap_log2,
-        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_DIM, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP,
+        cache_block_stride, cache_slot_stride, scale_log2, window, softcap_log2,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_DIM, BLOCK_SIZE, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, OFFSETS_64,
     )
     if KV_SPLITS == 1:
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
