@@ -43,8 +43,8 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 def _attend(q, query_pos, first_pos, key_begin, key_end, block_table_ptr, key_cache_ptr, value_cache_ptr,
             cache_block_stride, cache_slot_stride, scale_log2, window, softcap_log2,
             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DIM: tl.constexpr,
-            BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-            HAS_SOFTCAP: tl.constexpr, OFFSETS_64: tl.constexpr):
+            BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, ONE_QUERY: tl.constexpr,
+            HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, OFFSETS_64: tl.constexpr):
     """Online softmax of q [BLOCK_M, BLOCK_DIM] over keys [key_begin, key_end), causal by query_pos
     (and with HAS_WINDOW over each query's last `window` positions only; with HAS_SOFTCAP each
     score capped to softcap * tanh(score / softcap), softcap_log2 being softcap in log2 units).
@@ -58,8 +58,10 @@ def _attend(q, query_pos, first_pos, key_begin, key_end, block_table_ptr, key_ca
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     # Tiles every valid row sees whole (in range, at or before its position, no window) skip the
-    # masks: in a long prefill that is all but the diagonal's tiles, in decode all but the last.
-    if HAS_WINDOW:
+    # masks: in a long prefill that is all but the diagonal's tiles. Decode keeps one loop: its
+    # contexts are short in the steps that count, a second loop would start the last tile's loads
+    # only after the first loop's (the pipeline does not cross loops), and its mask is the range alone.
+    if HAS_WINDOW or ONE_QUERY:
         full_end = key_begin
     else:
         seen_by_all = tl.minimum(first_pos + 1, key_end) - key_begin
@@ -68,12 +70,14 @@ def _attend(q, query_pos, first_pos, key_begin, key_end, block_table_ptr, key_ca
         acc, row_max, row_sum = _attend_tile(
             q, query_pos, tile_begin, key_end, acc, row_max, row_sum, block_table_ptr, key_cache_ptr,
             value_cache_ptr, cache_block_stride, cache_slot_stride, scale_log2, window, softcap_log2,
-            HEAD_DIM, BLOCK_N, BLOCK_DIM, BLOCK_SIZE, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, OFFSETS_64, False)
+            HEAD_DIM, BLOCK_N, BLOCK_DIM, BLOCK_SIZE, DOT_PRECISION, ONE_QUERY, HAS_WINDOW, HAS_SOFTCAP, OFFSETS_64,
+            False)
     for tile_begin in range(full_end, key_end, BLOCK_N):
         acc, row_max, row_sum = _attend_tile(
             q, query_pos, tile_begin, key_end, acc, row_max, row_sum, block_table_ptr, key_cache_ptr,
             value_cache_ptr, cache_block_stride, cache_slot_stride, scale_log2, window, softcap_log2,
-            HEAD_DIM, BLOCK_N, BLOCK_DIM, BLOCK_SIZE, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, OFFSETS_64, True)
+            HEAD_DIM, BLOCK_N, BLOCK_DIM, BLOCK_SIZE, DOT_PRECISION, ONE_QUERY, HAS_WINDOW, HAS_SOFTCAP, OFFSETS_64,
+            True)
     if not HAS_SOFTCAP:  # the tiles kept raw maxima
         row_max = row_max * scale_log2
     return acc, row_max, row_sum
@@ -83,8 +87,8 @@ def _attend(q, query_pos, first_pos, key_begin, key_end, block_table_ptr, key_ca
 def _attend_tile(q, query_pos, tile_begin, key_end, acc, row_max, row_sum, block_table_ptr, key_cache_ptr,
                  value_cache_ptr, cache_block_stride, cache_slot_stride, scale_log2, window, softcap_log2,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 OFFSETS_64: tl.constexpr, MASKED: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, ONE_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, OFFSETS_64: tl.constexpr, MASKED: tl.constexpr):
     """One key tile of _attend's online softmax; MASKED: some key of it is past key_end or hidden
     from some row. row_max is in the scores' units: log2 with HAS_SOFTCAP, raw dot products without."""
     keys = tile_begin + tl.arange(0, BLOCK_N)
@@ -116,7 +120,9 @@ def _attend_tile(q, query_pos, tile_begin, key_end, acc, row_max, row_sum, block
         # Raw scores, scaled inside the exponent: one FMA an element instead of a multiply and a subtract.
         score_scale = scale_log2
     if MASKED:
-        visible = in_range[None, :] & (keys[None, :] <= query_pos[:, None])
+        visible = in_range[None, :]
+        if not ONE_QUERY:  # a decode row's position is its context's last: in range is visible
+            visible = visible & (keys[None, :] <= query_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (keys[None, :] > query_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
@@ -192,7 +198,8 @@ def paged_attention_kernel(
         q, query_pos, context_len + first_row, key_begin, key_end, block_tables_ptr + seq * block_table_stride,
         key_cache_ptr + kv_head * cache_head_stride, value_cache_ptr + kv_head * cache_head_stride,
         cache_block_stride, cache_slot_stride, scale_log2, window, softcap_log2,
-        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_DIM, BLOCK_SIZE, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, OFFSETS_64,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_DIM, BLOCK_SIZE, DOT_PRECISION, ONE_QUERY, HAS_WINDOW, HAS_SOFTCAP,
+        OFFSETS_64,
     )
     if KV_SPLITS == 1:
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
