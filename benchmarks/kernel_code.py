@@ -1,0 +1,122 @@
+"""The machine code of kiln's paged attention kernel for sm_90 (H100/H200), compiled on a machine
+without a GPU: instructions and registers per launch configuration (a measurement, not a test).
+
+    python benchmarks/kernel_code.py --out benchmarks/results
+
+Each case is a configuration a Llama-3-8B step launches (32 query heads, 8 kv heads, head dim 128,
+bf16, 16-token blocks), with the tiles and split count paged_attention would choose. Triton
+compiles it to a cubin for sm_90 (ptxas ships with Triton) and nvdisasm lists its SASS; a loop is
+a backward branch, and its body the instructions between its target and the branch. Counts are
+static: a loop's body runs once per key tile, the rest once per program. They say how much work a
+change removes from a loop, not how fast the kernel runs; time it on the GPU
+(benchmarks/decode_attention.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "0")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile  # noqa: E402
+
+from kiln.ops.triton.attention import choose_tiles  # noqa: E402
+from kiln.ops.triton.kernels.attention import paged_attention_kernel  # noqa: E402
+
+HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
+TARGET = GPUTarget("cuda", 90, 32)
+SM_COUNT = 132
+# (name, batch, query tokens per sequence, kv splits): decode at 1 (split), 64 and 256; a 2048-token prefill.
+CASES = [("decode b1", 1, 1, 8), ("decode b64", 64, 1, 1), ("decode b256", 256, 1, 1), ("prefill 2048", 1, 2048, 1)]
+ARG_TYPES = dict(
+    query_ptr="*bf16", key_cache_ptr="*bf16", value_cache_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
+    seq_lens_ptr="*i32", query_start_loc_ptr="*i32", partial_acc_ptr="*fp32", partial_max_ptr="*fp32",
+    partial_sum_ptr="*fp32", counter_ptr="*i32", num_seqs="i32", scale_log2="fp32", window="i32",
+    softcap_log2="fp32", block_size="i32")  # every other argument is a stride (i32); block_size: before 282e416
+
+
+def compile_case(batch: int, query_len: int, splits: int, offsets_64: bool):
+    tiles = choose_tiles(query_len, HEADS // KV_HEADS, DIM, batch * KV_HEADS)
+    constants = dict(GROUP=HEADS // KV_HEADS, HEAD_DIM=DIM, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                     BLOCK_DIM=DIM, BLOCK_SIZE=BLOCK, KV_SPLITS=splits, DOT_PRECISION="tf32",
+                     ONE_QUERY=query_len == 1, HAS_WINDOW=False, HAS_SOFTCAP=False, HEADS_FIRST=tiles.heads_first,
+                     OFFSETS_64=offsets_64)
+    names = paged_attention_kernel.arg_names
+    constants = {k: v for k, v in constants.items() if k in names}  # a kernel of another commit may lack one
+    signature, attrs = {}, {}
+    for index, name in enumerate(names):
+        if name in constants:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = ARG_TYPES.get(name, "i32")
+        if signature[name].startswith("*") or "stride" in name:  # as the launcher marks real ones
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages or 3}
+    return compile(ASTSource(paged_attention_kernel, signature, constants, attrs), target=TARGET,
+                   options=options), tiles
+
+
+def sass_stats(cubin: bytes, workdir: Path) -> dict:
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    path = workdir / "kernel.cubin"
+    path.write_bytes(cubin)
+    sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(path)], capture_output=True, text=True,
+                          check=True).stdout
+    usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(path)], capture_output=True,
+                           text=True, check=True).stdout
+    instructions, labels = [], {}
+    for line in sass.splitlines():
+        label = re.match(r"\s*\.L_x_(\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+        code = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if code:
+            instructions.append(code.group(1))
+    loops = []
+    for index, text in enumerate(instructions):
+        branch = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", text)
+        if branch and labels.get(branch.group(1), index + 1) <= index:
+            body = instructions[labels[branch.group(1)]: index + 1]
+            if len(body) > 1:  # not the final self-loop
+                ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0] for i in body)
+                loops.append({"instructions": len(body), "integer_multiply_adds": ops["IMAD"],
+                              "mma": ops["HMMA"] + ops["HGMMA"], "exp2": ops["MUFU"]})
+    registers = re.search(r"REG:(\d+)", usage)
+    return {"instructions": len(instructions), "registers": int(registers.group(1)) if registers else None,
+            "loops": loops}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=".")
+    p.add_argument("--tag", default="", help="suffix of the JSON's name (e.g. a commit)")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, batch, query_len, splits in CASES:
+        for offsets_64 in (False, True):
+            kernel, tiles = compile_case(batch, query_len, splits, offsets_64)
+            stats = sass_stats(kernel.asm["cubin"], out)
+            rows.append({"case": name, "offsets_64": offsets_64, "block_m": tiles.block_m, "block_n": tiles.block_n,
+                         "num_warps": tiles.num_warps, "kv_splits": splits, **stats})
+            print(f"{name:13s} {'64' if offsets_64 else '32'}-bit offsets: {stats['instructions']:5d} instructions, "
+                  f"{stats['registers']} registers, key loops {[loop['instructions'] for loop in stats['loops']]}")
+    (out / "kernel.cubin").unlink(missing_ok=True)
+    report = {"kernel": "paged_attention_kernel", "target": "sm_90", "triton": triton.__version__,
+              "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM, "block_size": BLOCK}, "cases": rows}
+    path = out / f"kernel_code_attention_sm90{'_' + args.tag if args.tag else ''}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
