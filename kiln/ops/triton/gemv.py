@@ -73,6 +73,10 @@ def _config(block_n, block_k, split_k, num_warps, num_stages) -> triton.Config:
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages). Each thread loads 8-32 weights (one
 # to four 16-byte vectors of bf16) per chunk; the pruning keeps those whose accumulator fits.
+# Where a chunk of x is narrower than one 16-byte vector a thread (BLOCK_K < 8 x 32 x
+# num_warps), Triton lays x out narrower than W and moves W's chunk through shared memory to
+# match, every chunk: 2-8 barriers in the sm_90 loop of each of the first eight. The last four
+# are that wide: no barrier, 3.6-3.7 instructions a weight against 3.7-4.6 (untimed on a GPU).
 FMA_CONFIGS = [
     _config(8, 512, 1, 4, 3),
     _config(16, 512, 1, 8, 3),
@@ -82,6 +86,10 @@ FMA_CONFIGS = [
     _config(8, 256, 1, 4, 4),
     _config(16, 512, 2, 8, 3),
     _config(16, 256, 4, 8, 4),
+    _config(8, 1024, 1, 4, 3),
+    _config(4, 1024, 1, 4, 3),
+    _config(8, 2048, 1, 8, 3),
+    _config(4, 2048, 1, 8, 3),
 ]
 # The dot kernel stages W and x tiles in shared memory (num_stages x (BLOCK_N + rows) x
 # BLOCK_K elements; the pruning drops those past MAX_SHARED_BYTES). Wide column tiles are
