@@ -1,15 +1,18 @@
-"""The machine code of kiln's paged attention kernel for sm_90 (H100/H200), compiled on a machine
-without a GPU: instructions and registers per launch configuration (a measurement, not a test).
+"""The machine code of kiln's paged attention and one-row GEMV kernels for sm_90 (H100/H200),
+compiled on a machine without a GPU: instructions, barriers and registers per launch configuration
+(a measurement, not a test).
 
     python benchmarks/kernel_code.py --out benchmarks/results
 
-Each case is a configuration a Llama-3-8B step launches (32 query heads, 8 kv heads, head dim 128,
-bf16, 16-token blocks), with the tiles and split count paged_attention would choose. Triton
-compiles it to a cubin for sm_90 (ptxas ships with Triton) and nvdisasm lists its SASS; a loop is
-a backward branch, and its body the instructions between its target and the branch. Counts are
-static: a loop's body runs once per key tile, the rest once per program. They say how much work a
-change removes from a loop, not how fast the kernel runs; time it on the GPU
-(benchmarks/decode_attention.py).
+Attention: each case is a configuration a Llama-3-8B step launches (32 query heads, 8 kv heads,
+head dim 128, bf16, 16-token blocks), with the tiles and split count paged_attention would choose.
+GEMV: every one-row FMA config at Llama-3-8B's qkv shape (N 6144, K 4096), and the down
+projection's (K 14336, SiLU-and-mul on the loads) on the configs that fit it. Triton compiles each
+to a cubin for sm_90 (ptxas ships with Triton) and nvdisasm lists its SASS; a loop is a backward
+branch, and its body the instructions between its target and the branch. Counts are static: a
+loop's body runs once per key tile (attention) or weight chunk (GEMV), the rest once per program.
+They say how much work a change removes from a loop, not how fast the kernel runs; time it on the
+GPU (benchmarks/decode_attention.py, benchmarks/gemv.py).
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
+from kiln.ops.triton import gemv  # noqa: E402
 from kiln.ops.triton.attention import choose_tiles  # noqa: E402
 from kiln.ops.triton.kernels.attention import paged_attention_kernel  # noqa: E402
+from kiln.ops.triton.kernels.gemv import gemv_fma_kernel  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 TARGET = GPUTarget("cuda", 90, 32)
@@ -40,16 +45,13 @@ ARG_TYPES = dict(
     query_ptr="*bf16", key_cache_ptr="*bf16", value_cache_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
     seq_lens_ptr="*i32", query_start_loc_ptr="*i32", partial_acc_ptr="*fp32", partial_max_ptr="*fp32",
     partial_sum_ptr="*fp32", counter_ptr="*i32", num_seqs="i32", scale_log2="fp32", window="i32",
-    softcap_log2="fp32", block_size="i32")  # every other argument is a stride (i32); block_size: before 282e416
+    softcap_log2="fp32", block_size="i32",  # block_size: the attention kernel's before e97386a
+    x_ptr="*bf16", w_ptr="*bf16", ws_ptr="*fp32")  # every other argument is a stride or a size (i32)
+GEMV_SHAPES = [("qkv", 6144, 4096, ""), ("down", 4096, 14336, "silu")]
 
 
-def compile_case(batch: int, query_len: int, splits: int, offsets_64: bool):
-    tiles = choose_tiles(query_len, HEADS // KV_HEADS, DIM, batch * KV_HEADS)
-    constants = dict(GROUP=HEADS // KV_HEADS, HEAD_DIM=DIM, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                     BLOCK_DIM=DIM, BLOCK_SIZE=BLOCK, KV_SPLITS=splits, DOT_PRECISION="tf32",
-                     ONE_QUERY=query_len == 1, HAS_WINDOW=False, HAS_SOFTCAP=False, HEADS_FIRST=tiles.heads_first,
-                     OFFSETS_64=offsets_64)
-    names = paged_attention_kernel.arg_names
+def compile_kernel(kernel, constants: dict, num_warps: int, num_stages: int):
+    names = kernel.arg_names
     constants = {k: v for k, v in constants.items() if k in names}  # a kernel of another commit may lack one
     signature, attrs = {}, {}
     for index, name in enumerate(names):
@@ -57,11 +59,20 @@ def compile_case(batch: int, query_len: int, splits: int, offsets_64: bool):
             signature[name] = "constexpr"
             continue
         signature[name] = ARG_TYPES.get(name, "i32")
-        if signature[name].startswith("*") or "stride" in name:  # as the launcher marks real ones
+        # As the launcher marks real ones: pointers, strides, and the GEMV's N and K (multiples of 16).
+        if signature[name].startswith("*") or "stride" in name or name in ("N", "K"):
             attrs[(index,)] = [["tt.divisibility", 16]]
-    options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages or 3}
-    return compile(ASTSource(paged_attention_kernel, signature, constants, attrs), target=TARGET,
-                   options=options), tiles
+    return compile(ASTSource(kernel, signature, constants, attrs), target=TARGET,
+                   options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def compile_attention(batch: int, query_len: int, splits: int, offsets_64: bool):
+    tiles = choose_tiles(query_len, HEADS // KV_HEADS, DIM, batch * KV_HEADS)
+    constants = dict(GROUP=HEADS // KV_HEADS, HEAD_DIM=DIM, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                     BLOCK_DIM=DIM, BLOCK_SIZE=BLOCK, KV_SPLITS=splits, DOT_PRECISION="tf32",
+                     ONE_QUERY=query_len == 1, HAS_WINDOW=False, HAS_SOFTCAP=False, HEADS_FIRST=tiles.heads_first,
+                     OFFSETS_64=offsets_64)
+    return compile_kernel(paged_attention_kernel, constants, tiles.num_warps, tiles.num_stages or 3), tiles
 
 
 def sass_stats(cubin: bytes, workdir: Path) -> dict:
@@ -88,7 +99,8 @@ def sass_stats(cubin: bytes, workdir: Path) -> dict:
             if len(body) > 1:  # not the final self-loop
                 ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0] for i in body)
                 loops.append({"instructions": len(body), "integer_multiply_adds": ops["IMAD"],
-                              "mma": ops["HMMA"] + ops["HGMMA"], "exp2": ops["MUFU"]})
+                              "mma": ops["HMMA"] + ops["HGMMA"], "exp2": ops["MUFU"], "barriers": ops["BAR"],
+                              "shared_memory": ops["STS"] + ops["LDS"]})
     registers = re.search(r"REG:(\d+)", usage)
     return {"instructions": len(instructions), "registers": int(registers.group(1)) if registers else None,
             "loops": loops}
@@ -104,16 +116,35 @@ def main() -> None:
     rows = []
     for name, batch, query_len, splits in CASES:
         for offsets_64 in (False, True):
-            kernel, tiles = compile_case(batch, query_len, splits, offsets_64)
+            kernel, tiles = compile_attention(batch, query_len, splits, offsets_64)
             stats = sass_stats(kernel.asm["cubin"], out)
             rows.append({"case": name, "offsets_64": offsets_64, "block_m": tiles.block_m, "block_n": tiles.block_n,
                          "num_warps": tiles.num_warps, "kv_splits": splits, **stats})
-            print(f"{name:13s} {'64' if offsets_64 else '32'}-bit offsets: {stats['instructions']:5d} instructions, "
-                  f"{stats['registers']} registers, key loops {[loop['instructions'] for loop in stats['loops']]}")
+            print(f"attention {name:13s} {'64' if offsets_64 else '32'}-bit offsets: {stats['instructions']:5d} "
+                  f"instructions, {stats['registers']} registers, key loops "
+                  f"{[loop['instructions'] for loop in stats['loops']]}")
+    gemv_rows = []
+    for name, n, k, activation in GEMV_SHAPES:
+        for config in gemv.FMA_CONFIGS:
+            if not gemv.config_fits(config, 1, n, k, SM_COUNT, fma=True) or k % config.kwargs["BLOCK_K"]:
+                continue
+            kernel = compile_kernel(gemv_fma_kernel, dict(BLOCK_M=1, EVEN_K=True, ACTIVATION=activation,
+                                                         **config.kwargs), config.num_warps, config.num_stages)
+            stats = sass_stats(kernel.asm["cubin"], out)
+            weights = config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] / (32 * config.num_warps)
+            loop = max(stats["loops"], key=lambda loop: loop["instructions"])
+            gemv_rows.append({"shape": name, "N": n, "K": k, **config.kwargs, "num_warps": config.num_warps,
+                              "num_stages": config.num_stages, "weights_per_thread": weights,
+                              "loop_instructions_per_weight": loop["instructions"] / weights, **stats})
+            print(f"gemv {name:5s} {tuple(config.kwargs.values())} {config.num_warps} warps: loop "
+                  f"{loop['instructions']} instructions ({loop['instructions'] / weights:.2f} a weight), "
+                  f"{loop['barriers']} barriers, {stats['registers']} registers")
     (out / "kernel.cubin").unlink(missing_ok=True)
-    report = {"kernel": "paged_attention_kernel", "target": "sm_90", "triton": triton.__version__,
-              "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM, "block_size": BLOCK}, "cases": rows}
-    path = out / f"kernel_code_attention_sm90{'_' + args.tag if args.tag else ''}.json"
+    report = {"target": "sm_90", "triton": triton.__version__,
+              "attention": {"shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM, "block_size": BLOCK},
+                            "cases": rows},
+              "gemv_fma_one_row": gemv_rows}
+    path = out / f"kernel_code_sm90{'_' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(report, indent=1))
     print("wrote", path)
 
