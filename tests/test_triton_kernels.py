@@ -531,8 +531,10 @@ def test_attention_cache_offsets_widen_past_int32():
 
 @pytest.mark.parametrize("kv_splits", [2, 4, 16])
 @pytest.mark.parametrize("shape", [DECODE, MIXED], ids=["decode", "mixed"])
-def test_paged_attention_split_kv(shape, kv_splits):
-    """The last split of each tile to finish merges the partials; it leaves the counters at zero."""
+def test_paged_attention_split_kv(shape, kv_splits, poisoned_empty):
+    """The last split of each tile to finish merges the partials; it leaves the counters at zero.
+    Splits past a context's last key tile store nothing (the partials start as NaN here), and a
+    context of one key tile takes no merge."""
     from kiln.ops.triton import attention
 
     batch = PagedBatch(**shape, num_heads=12, num_kv_heads=4, head_dim=64, block_size=16)

@@ -22,7 +22,10 @@ context's program a large share of its life).
 With few sequences and long contexts (decode) a launch may split each context into
 kv_splits ranges handled by separate programs (flash-decoding). Each stores its partial
 softmax, and the last of a tile's splits to finish (a per-tile counter in a persistent
-zeroed buffer, which it zeroes again) merges them: no second launch, and capturable.
+zeroed buffer, which it zeroes again) merges them: no second launch, and capturable. The
+ranges are whole key tiles, so a context shorter than kv_splits tiles (a graph captured for
+the model's longest replayed on a short one) leaves the splits past its last tile idle: they
+exit at once, and a context of one tile is written without a merge.
 
 Rows of `out` past the batch's last query (query_start_loc[-1] onwards: padding up to a
 CUDA-graph bucket) are left untouched.

@@ -190,7 +190,16 @@ def paged_attention_kernel(
 
     # The tile's last query sees keys [0, key_end); a split takes a run of whole key tiles.
     key_end = tl.minimum(seq_len, context_len + first_row + BLOCK_Q)
-    tiles_per_split = tl.cdiv(tl.cdiv(key_end, BLOCK_N), KV_SPLITS)
+    num_key_tiles = tl.cdiv(key_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_key_tiles, KV_SPLITS)
+    if KV_SPLITS == 1:
+        used_splits = 1
+    else:
+        # A graph captured for long contexts replays on short ones: splits past the last key
+        # tile leave without a partial, and with one split left there is nothing to merge.
+        used_splits = tl.cdiv(num_key_tiles, tiles_per_split)
+        if split >= used_splits:
+            return
     key_begin = split * tiles_per_split * BLOCK_N
     key_end = tl.minimum(key_end, key_begin + tiles_per_split * BLOCK_N)
 
@@ -201,26 +210,29 @@ def paged_attention_kernel(
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_DIM, BLOCK_SIZE, DOT_PRECISION, ONE_QUERY, HAS_WINDOW, HAS_SOFTCAP,
         OFFSETS_64,
     )
-    if KV_SPLITS == 1:
+    if used_splits == 1:  # with KV_SPLITS > 1, the merge's arithmetic on one split: the same bits
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         out_ptrs = out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         # partials are [tokens, query heads, KV_SPLITS (, BLOCK_DIM)], contiguous fp32
-        first_row = (token * (num_kv_heads * GROUP) + head) * KV_SPLITS
-        tl.store(partial_max_ptr + first_row + split, row_max, mask=row_valid)
-        tl.store(partial_sum_ptr + first_row + split, row_sum, mask=row_valid)
-        tl.store(partial_acc_ptr + (first_row + split)[:, None] * BLOCK_DIM + dims[None, :], acc, mask=io_mask)
+        partial_row = (token * (num_kv_heads * GROUP) + head) * KV_SPLITS
+        tl.store(partial_max_ptr + partial_row + split, row_max, mask=row_valid)
+        tl.store(partial_sum_ptr + partial_row + split, row_sum, mask=row_valid)
+        tl.store(partial_acc_ptr + (partial_row + split)[:, None] * BLOCK_DIM + dims[None, :], acc, mask=io_mask)
         # The last split of this tile to arrive merges them all, as the GEMV's split-K does: every
         # thread's partials are stored before the arrival is published (release), and the last
         # arriver's acquire makes the other programs' visible; it reads them at L2 (.cg).
         tl.debug_barrier()
         counter = counter_ptr + tile * num_kv_heads + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == KV_SPLITS - 1:
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used_splits - 1:
             splits = tl.arange(0, KV_SPLITS)
-            split_max = tl.load(partial_max_ptr + first_row[:, None] + splits[None, :], mask=row_valid[:, None],
-                                other=0.0, cache_modifier=".cg")
-            split_sum = tl.load(partial_sum_ptr + first_row[:, None] + splits[None, :], mask=row_valid[:, None],
+            # The unused splits' slots hold an earlier launch's partials: read as weighing nothing.
+            used = row_valid[:, None] & (splits[None, :] < used_splits)
+            split_max = tl.load(partial_max_ptr + partial_row[:, None] + splits[None, :], mask=used,
+                                other=float("-inf"), cache_modifier=".cg")
+            split_max = tl.where(row_valid[:, None], split_max, 0.0)  # rows past the tile's queries
+            split_sum = tl.load(partial_sum_ptr + partial_row[:, None] + splits[None, :], mask=used,
                                 other=0.0, cache_modifier=".cg")
             # Every row sees itself, so some split's max is finite; splits that saw nothing (before
             # a window, or past the end) weigh 0.
@@ -228,10 +240,11 @@ def paged_attention_kernel(
             total = tl.sum(split_sum * tl.exp2(split_max - top[:, None]), axis=1)
             merged = tl.zeros([BLOCK_M, BLOCK_DIM], dtype=tl.float32)
             for s in tl.static_range(KV_SPLITS):
-                weight = tl.exp2(tl.load(partial_max_ptr + first_row + s, mask=row_valid, other=0.0,
-                                         cache_modifier=".cg") - top)
-                merged += weight[:, None] * tl.load(partial_acc_ptr + (first_row + s)[:, None] * BLOCK_DIM
-                                                    + dims[None, :], mask=io_mask, other=0.0, cache_modifier=".cg")
+                weight = tl.exp2(tl.load(partial_max_ptr + partial_row + s, mask=row_valid & (s < used_splits),
+                                         other=float("-inf"), cache_modifier=".cg") - top)
+                merged += weight[:, None] * tl.load(partial_acc_ptr + (partial_row + s)[:, None] * BLOCK_DIM
+                                                    + dims[None, :], mask=io_mask & (s < used_splits), other=0.0,
+                                                    cache_modifier=".cg")
             out = merged / tl.where(total == 0.0, 1.0, total)[:, None]
             out_ptrs = out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims[None, :]
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
