@@ -1,4 +1,4 @@
-"""The machine code of kiln's paged attention and one-row GEMV kernels for sm_90 (H100/H200),
+"""The machine code of kiln's paged attention, one-row GEMV and RMSNorm kernels for sm_90 (H100/H200),
 compiled on a machine without a GPU: instructions, barriers and registers per launch configuration
 (a measurement, not a test).
 
@@ -7,7 +7,9 @@ compiled on a machine without a GPU: instructions, barriers and registers per la
 Attention: each case is a configuration a Llama-3-8B step launches (32 query heads, 8 kv heads,
 head dim 128, bf16, 16-token blocks), with the tiles and split count paged_attention would choose.
 GEMV: every one-row FMA config at Llama-3-8B's qkv shape (N 6144, K 4096), and the down
-projection's (K 14336, SiLU-and-mul on the loads) on the configs that fit it. Triton compiles each
+projection's (K 14336, SiLU-and-mul on the loads) on the configs that fit it. RMSNorm, plain and
+with the residual add, at hidden size 4096 (16 warps): the global loads issued after the sum's
+first barrier, each a memory round trip the row waits for. Triton compiles each
 to a cubin for sm_90 (ptxas ships with Triton) and nvdisasm lists its SASS; a loop is a backward
 branch, and its body the instructions between its target and the branch. Counts are static: a
 loop's body runs once per key tile (attention) or weight chunk (GEMV), the rest once per program.
@@ -35,6 +37,7 @@ from kiln.ops.triton import gemv  # noqa: E402
 from kiln.ops.triton.attention import choose_tiles  # noqa: E402
 from kiln.ops.triton.kernels.attention import paged_attention_kernel  # noqa: E402
 from kiln.ops.triton.kernels.gemv import gemv_fma_kernel  # noqa: E402
+from kiln.ops.triton.kernels.norm import fused_add_rms_norm_kernel, rms_norm_kernel  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 TARGET = GPUTarget("cuda", 90, 32)
@@ -47,7 +50,8 @@ ARG_TYPES = dict(
     seq_lens_ptr="*i32", query_start_loc_ptr="*i32", partial_acc_ptr="*fp32", partial_max_ptr="*fp32",
     partial_sum_ptr="*fp32", counter_ptr="*i32", num_seqs="i32", scale_log2="fp32", window="i32",
     softcap_log2="fp32", block_size="i32",  # block_size: the attention kernel's before e97386a
-    x_ptr="*bf16", w_ptr="*bf16", ws_ptr="*fp32")  # every other argument is a stride or a size (i32)
+    x_ptr="*bf16", w_ptr="*bf16", ws_ptr="*fp32", residual_ptr="*bf16", weight_ptr="*bf16",
+    new_residual_ptr="*bf16", eps="fp32")  # every other argument is a stride or a size (i32)
 GEMV_SHAPES = [("qkv", 6144, 4096, ""), ("down", 4096, 14336, "silu")]
 
 
@@ -60,8 +64,8 @@ def compile_kernel(kernel, constants: dict, num_warps: int, num_stages: int):
             signature[name] = "constexpr"
             continue
         signature[name] = ARG_TYPES.get(name, "i32")
-        # As the launcher marks real ones: pointers, strides, and the GEMV's N and K (multiples of 16).
-        if signature[name].startswith("*") or "stride" in name or name in ("N", "K"):
+        # As the launcher marks real ones: pointers, strides, and sizes that are multiples of 16.
+        if signature[name].startswith("*") or "stride" in name or name in ("N", "K", "hidden_size"):
             attrs[(index,)] = [["tt.divisibility", 16]]
     return compile(ASTSource(kernel, signature, constants, attrs), target=TARGET,
                    options={"num_warps": num_warps, "num_stages": num_stages})
@@ -103,8 +107,10 @@ def sass_stats(cubin: bytes, workdir: Path) -> dict:
                               "mma": ops["HMMA"] + ops["HGMMA"], "exp2": ops["MUFU"], "barriers": ops["BAR"],
                               "shared_memory": ops["STS"] + ops["LDS"]})
     registers = re.search(r"REG:(\d+)", usage)
+    first_barrier = next((i for i, text in enumerate(instructions) if "BAR.SYNC" in text), len(instructions))
     return {"instructions": len(instructions), "registers": int(registers.group(1)) if registers else None,
-            "loops": loops}
+            "loops": loops,
+            "loads_after_first_barrier": sum("LDG" in text for text in instructions[first_barrier:])}
 
 
 def main() -> None:
@@ -140,11 +146,17 @@ def main() -> None:
             print(f"gemv {name:5s} {tuple(config.kwargs.values())} {config.num_warps} warps: loop "
                   f"{loop['instructions']} instructions ({loop['instructions'] / weights:.2f} a weight), "
                   f"{loop['barriers']} barriers, {stats['registers']} registers")
+    norm_rows = []
+    for kernel in (rms_norm_kernel, fused_add_rms_norm_kernel):
+        stats = sass_stats(compile_kernel(kernel, dict(BLOCK=4096, UNIT_OFFSET=False), 16, 3).asm["cubin"], out)
+        norm_rows.append({"kernel": kernel.__name__, **stats})
+        print(f"{kernel.__name__}: {stats['instructions']} instructions, {stats['loads_after_first_barrier']} "
+              f"global loads after the first barrier")
     (out / "kernel.cubin").unlink(missing_ok=True)
     report = {"target": "sm_90", "triton": triton.__version__,
               "attention": {"shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM, "block_size": BLOCK},
                             "cases": rows},
-              "gemv_fma_one_row": gemv_rows}
+              "gemv_fma_one_row": gemv_rows, "rms_norm_hidden_4096": norm_rows}
     path = out / f"kernel_code_sm90{'_' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(report, indent=1))
     print("wrote", path)
