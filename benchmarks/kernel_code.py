@@ -1,4 +1,4 @@
-"""The machine code of kiln's paged attention, one-row GEMV and RMSNorm kernels for sm_90 (H100/H200),
+"""The machine code of kiln's paged attention, one-row GEMV, RMSNorm and rotary kernels for sm_90 (H100/H200),
 compiled on a machine without a GPU: instructions, barriers and registers per launch configuration
 (a measurement, not a test).
 
@@ -9,7 +9,9 @@ head dim 128, bf16, 16-token blocks), with the tiles and split count paged_atten
 GEMV: every one-row FMA config at Llama-3-8B's qkv shape (N 6144, K 4096), and the down
 projection's (K 14336, SiLU-and-mul on the loads) on the configs that fit it. RMSNorm, plain and
 with the residual add, at hidden size 4096 (16 warps): the global loads issued after the sum's
-first barrier, each a memory round trip the row waits for. Triton compiles each
+first barrier, each a memory round trip the row waits for. Rotary with the KV write (Llama-3-8B's
+heads): the global loads issued after its first store, the round trips left at its end. Triton
+compiles each
 to a cubin for sm_90 (ptxas ships with Triton) and nvdisasm lists its SASS; a loop is a backward
 branch, and its body the instructions between its target and the branch. Counts are static: a
 loop's body runs once per key tile (attention) or weight chunk (GEMV), the rest once per program.
@@ -38,6 +40,7 @@ from kiln.ops.triton.attention import choose_tiles  # noqa: E402
 from kiln.ops.triton.kernels.attention import paged_attention_kernel  # noqa: E402
 from kiln.ops.triton.kernels.gemv import gemv_fma_kernel  # noqa: E402
 from kiln.ops.triton.kernels.norm import fused_add_rms_norm_kernel, rms_norm_kernel  # noqa: E402
+from kiln.ops.triton.kernels.rotary import rotary_kernel  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 TARGET = GPUTarget("cuda", 90, 32)
@@ -51,7 +54,8 @@ ARG_TYPES = dict(
     partial_sum_ptr="*fp32", counter_ptr="*i32", num_seqs="i32", scale_log2="fp32", window="i32",
     softcap_log2="fp32", block_size="i32",  # block_size: the attention kernel's before e97386a
     x_ptr="*bf16", w_ptr="*bf16", ws_ptr="*fp32", residual_ptr="*bf16", weight_ptr="*bf16",
-    new_residual_ptr="*bf16", eps="fp32")  # every other argument is a stride or a size (i32)
+    new_residual_ptr="*bf16", eps="fp32", positions_ptr="*i64", q_ptr="*bf16", k_ptr="*bf16", cache_ptr="*fp32",
+    q_out_ptr="*bf16", k_out_ptr="*bf16", v_ptr="*bf16", slot_mapping_ptr="*i64")  # the rest: strides, sizes (i32)
 GEMV_SHAPES = [("qkv", 6144, 4096, ""), ("down", 4096, 14336, "silu")]
 
 
@@ -108,9 +112,11 @@ def sass_stats(cubin: bytes, workdir: Path) -> dict:
                               "shared_memory": ops["STS"] + ops["LDS"]})
     registers = re.search(r"REG:(\d+)", usage)
     first_barrier = next((i for i, text in enumerate(instructions) if "BAR.SYNC" in text), len(instructions))
+    first_store = next((i for i, text in enumerate(instructions) if "STG" in text), len(instructions))
     return {"instructions": len(instructions), "registers": int(registers.group(1)) if registers else None,
             "loops": loops,
-            "loads_after_first_barrier": sum("LDG" in text for text in instructions[first_barrier:])}
+            "loads_after_first_barrier": sum("LDG" in text for text in instructions[first_barrier:]),
+            "loads_after_first_store": sum("LDG" in text for text in instructions[first_store:])}
 
 
 def main() -> None:
@@ -152,11 +158,16 @@ def main() -> None:
         norm_rows.append({"kernel": kernel.__name__, **stats})
         print(f"{kernel.__name__}: {stats['instructions']} instructions, {stats['loads_after_first_barrier']} "
               f"global loads after the first barrier")
+    rotary = sass_stats(compile_kernel(rotary_kernel, dict(HEAD_DIM=DIM, ROTARY_DIM=DIM, BLOCK_DIM=DIM,
+                                                          BLOCK_Q_HEADS=HEADS, BLOCK_KV_HEADS=KV_HEADS, WRITE_KV=True),
+                                       8, 3).asm["cubin"], out)
+    print(f"rotary_kernel (KV write): {rotary['instructions']} instructions, {rotary['loads_after_first_store']} "
+          f"global loads after the first store")
     (out / "kernel.cubin").unlink(missing_ok=True)
     report = {"target": "sm_90", "triton": triton.__version__,
               "attention": {"shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM, "block_size": BLOCK},
                             "cases": rows},
-              "gemv_fma_one_row": gemv_rows, "rms_norm_hidden_4096": norm_rows}
+              "gemv_fma_one_row": gemv_rows, "rms_norm_hidden_4096": norm_rows, "rotary_kv_write": rotary}
     path = out / f"kernel_code_sm90{'_' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(report, indent=1))
     print("wrote", path)

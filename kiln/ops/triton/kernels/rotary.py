@@ -5,8 +5,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, token, x_token_stride, num_heads, cos, sin, partner_cols, sign,
+def _rotate_heads(x_ptr, token, x_token_stride, num_heads, cos, sin, partner_cols, sign, dtype: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+    """A token's heads of x rotated, in `dtype`, with their (heads, cols, mask); stored by the caller
+    after every load (a store ahead of a load keeps the load waiting behind it: they may alias)."""
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
     cols = tl.arange(0, BLOCK_DIM)[None, :]
     mask = (heads < num_heads) & (cols < HEAD_DIM)
@@ -15,12 +17,9 @@ def _rotate_heads(x_ptr, out_ptr, token, x_token_stride, num_heads, cos, sin, pa
     partner = tl.load(head_ptrs + partner_cols, mask=mask, other=0.0).to(tl.float32)
     # Each product rounded, then the sum, as rotary_native's ops round: a compiled model (whose
     # Inductor rotation emulates those casts) and this kernel then agree bit for bit.
-    dtype = out_ptr.dtype.element_ty
     x_cos = (x * cos).to(dtype).to(tl.float32)
     partner_sin = (partner * sin).to(dtype).to(tl.float32)
     out = (x_cos + sign * partner_sin).to(dtype)
-    out_ptrs = out_ptr + token * num_heads * HEAD_DIM + heads * HEAD_DIM + cols
-    tl.store(out_ptrs, out, mask=mask)
     return out, heads, cols, mask
 
 
@@ -38,6 +37,14 @@ def rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr,
     kiln.ops.triton.attention's write_kv does, from the values the rotation left in registers."""
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
+    if WRITE_KV:
+        # Loaded first: neither depends on the rotation, so their memory round trips overlap its
+        # (loaded where they are stored, the sm_90 code waited for the slot, then for v, at the end).
+        slot = tl.load(slot_mapping_ptr + token, mask=token < num_slots, other=-1).to(tl.int64)
+        v_heads = tl.arange(0, BLOCK_KV_HEADS)[:, None]
+        v_cols = tl.arange(0, BLOCK_DIM)[None, :]
+        value = tl.load(v_ptr + token * v_token_stride + v_heads * HEAD_DIM + v_cols,
+                        mask=(v_heads < num_kv_heads) & (v_cols < HEAD_DIM))
     half: tl.constexpr = ROTARY_DIM // 2
     cols = tl.arange(0, BLOCK_DIM)[None, :]
     rotated = cols < ROTARY_DIM
@@ -50,16 +57,15 @@ def rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr,
     cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
     partner_cols = tl.where(first_half, cols + half, tl.where(rotated, cols - half, cols))
     sign = tl.where(first_half, -1.0, 1.0)
-    _rotate_heads(q_ptr, q_out_ptr, token, q_token_stride, num_q_heads, cos, sin, partner_cols, sign,
-                  HEAD_DIM, BLOCK_Q_HEADS, BLOCK_DIM)
-    k_rot, heads, cols, mask = _rotate_heads(k_ptr, k_out_ptr, token, k_token_stride, num_kv_heads, cos, sin,
-                                             partner_cols, sign, HEAD_DIM, BLOCK_KV_HEADS, BLOCK_DIM)
+    q_rot, q_heads, q_cols, q_mask = _rotate_heads(q_ptr, token, q_token_stride, num_q_heads, cos, sin, partner_cols,
+                                                   sign, q_out_ptr.dtype.element_ty, HEAD_DIM, BLOCK_Q_HEADS, BLOCK_DIM)
+    k_rot, heads, cols, mask = _rotate_heads(k_ptr, token, k_token_stride, num_kv_heads, cos, sin, partner_cols,
+                                             sign, k_out_ptr.dtype.element_ty, HEAD_DIM, BLOCK_KV_HEADS, BLOCK_DIM)
+    tl.store(q_out_ptr + token * num_q_heads * HEAD_DIM + q_heads * HEAD_DIM + q_cols, q_rot, mask=q_mask)
+    tl.store(k_out_ptr + token * num_kv_heads * HEAD_DIM + heads * HEAD_DIM + cols, k_rot, mask=mask)
     if WRITE_KV:
-        if token < num_slots:
-            slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-            if slot >= 0:
-                offsets = ((slot // block_size) * cache_block_stride + (slot % block_size) * cache_slot_stride
-                           + heads * cache_head_stride + cols)
-                tl.store(key_cache_ptr + offsets, k_rot, mask=mask)
-                value = tl.load(v_ptr + token * v_token_stride + heads * HEAD_DIM + cols, mask=mask)
-                tl.store(value_cache_ptr + offsets, value, mask=mask)
+        if slot >= 0:  # -1: padding, or a token past num_slots
+            offsets = ((slot // block_size) * cache_block_stride + (slot % block_size) * cache_slot_stride
+                       + heads * cache_head_stride + cols)
+            tl.store(key_cache_ptr + offsets, k_rot, mask=mask)
+            tl.store(value_cache_ptr + offsets, value, mask=mask)
