@@ -12,17 +12,18 @@ def write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_map
                      HEAD_DIM: tl.constexpr,
                      BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:  # a padding token
-        return
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
     dims = tl.arange(0, BLOCK_DIM)[None, :]
     mask = (heads < num_kv_heads) & (dims < HEAD_DIM)
+    # K and V are loaded with the slot, not after it: one memory round trip before the stores, not two.
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    key = tl.load(key_ptr + token * key_token_stride + heads * key_head_stride + dims, mask=mask)
+    value = tl.load(value_ptr + token * value_token_stride + heads * value_head_stride + dims, mask=mask)
+    if slot < 0:  # a padding token
+        return
     cache_offsets = ((slot // block_size) * cache_block_stride + (slot % block_size) * cache_slot_stride
                      + heads * cache_head_stride + dims)
-    key = tl.load(key_ptr + token * key_token_stride + heads * key_head_stride + dims, mask=mask)
     tl.store(key_cache_ptr + cache_offsets, key, mask=mask)
-    value = tl.load(value_ptr + token * value_token_stride + heads * value_head_stride + dims, mask=mask)
     tl.store(value_cache_ptr + cache_offsets, value, mask=mask)
 
 
