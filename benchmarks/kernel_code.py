@@ -1,6 +1,6 @@
-"""The machine code of kiln's paged attention, one-row GEMV, RMSNorm and rotary kernels for sm_90 (H100/H200),
-compiled on a machine without a GPU: instructions, barriers and registers per launch configuration
-(a measurement, not a test).
+"""The machine code of kiln's attention, one-row GEMV, RMSNorm and rotary kernels for sm_90
+(H100/H200), compiled on a machine without a GPU: instructions, barriers, registers and late loads
+per launch configuration (a measurement, not a test).
 
     python benchmarks/kernel_code.py --out benchmarks/results
 
@@ -10,13 +10,13 @@ GEMV: every one-row FMA config at Llama-3-8B's qkv shape (N 6144, K 4096), and t
 projection's (K 14336, SiLU-and-mul on the loads) on the configs that fit it. RMSNorm, plain and
 with the residual add, at hidden size 4096 (16 warps): the global loads issued after the sum's
 first barrier, each a memory round trip the row waits for. Rotary with the KV write (Llama-3-8B's
-heads): the global loads issued after its first store, the round trips left at its end. Triton
-compiles each
-to a cubin for sm_90 (ptxas ships with Triton) and nvdisasm lists its SASS; a loop is a backward
-branch, and its body the instructions between its target and the branch. Counts are static: a
-loop's body runs once per key tile (attention) or weight chunk (GEMV), the rest once per program.
-They say how much work a change removes from a loop, not how fast the kernel runs; time it on the
-GPU (benchmarks/decode_attention.py, benchmarks/gemv.py).
+heads): the global loads issued after its first store, the round trips left at its end.
+
+Triton compiles each to a cubin for sm_90 (ptxas ships with Triton) and nvdisasm lists its SASS;
+a loop is a backward branch, and its body the instructions between its target and the branch.
+Counts are static: a loop's body runs once per key tile (attention) or weight chunk (GEMV), the
+rest once per program. They say how much work a change removes, not how fast a kernel runs;
+time it on the GPU (benchmarks/decode_attention.py, benchmarks/gemv.py, benchmarks/profile_step.py).
 """
 
 from __future__ import annotations
