@@ -13,6 +13,9 @@ sequences of `context` random tokens are prefilled, then decoded:
                          with async scheduling (the GPU default) the host prepares a step
                          while the GPU runs the one before
     sync_engine_step_ms  the same with async scheduling off: each step waits for its tokens
+    sampled_engine_step_ms  (--sampled) engine_step_ms with chat-style sampling instead of greedy
+                         (temperature 0.8, top-k 50, top-p 0.95, unseeded): what sampling after
+                         the graph's replay adds to a step
     forward_ms           the step's forward and logits alone, replayed on its own inputs
                          (CUDA-event timed)
 
@@ -58,11 +61,18 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure_batch(llm: LLM, batch: int, args) -> dict:
+# --sampled: what a chat client typically asks for.
+CHAT_SAMPLING = dict(temperature=0.8, top_k=50, top_p=0.95)
+
+
+def measure_batch(llm: LLM, batch: int, args, sampling: dict | None = None) -> dict:
+    """The engine step (both ways) and forward at `batch` greedy sequences; with `sampling`, only
+    the overlapped engine step of sequences that sample so."""
     engine, runner = llm.engine, llm.engine.runner
     gen = torch.Generator().manual_seed(batch)
     vocab = engine.source.config.vocab_size
-    params = SamplingParams(max_tokens=2 * (args.warmup + args.steps) + 16, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2 * (args.warmup + args.steps) + 16, ignore_eos=True,
+                            **(sampling or dict(temperature=0)))
     ids = [engine.add_request(torch.randint(0, vocab, (args.context,), generator=gen).tolist(), params)
            for _ in range(batch)]
     seqs = [engine.seqs[i] for i in ids]
@@ -79,7 +89,9 @@ def measure_batch(llm: LLM, batch: int, args) -> dict:
     result = {"batch": batch}
     try:
         # The same engine both ways: switching is safe between steps once nothing is in flight.
-        for key, overlapped in (("engine_step_ms", True), ("sync_engine_step_ms", False)):
+        ways = (("sampled_engine_step_ms", True),) if sampling else \
+            (("engine_step_ms", True), ("sync_engine_step_ms", False))
+        for key, overlapped in ways:
             engine.async_scheduling = overlapped
             for _ in range(args.warmup):
                 engine.step()
@@ -90,8 +102,9 @@ def measure_batch(llm: LLM, batch: int, args) -> dict:
             sync(args.device)
             result[key] = (time.perf_counter() - start) / args.steps * 1e3
             engine.drain()
-        result["mean_context"] = statistics.mean(s.num_computed_tokens for s in seqs) - args.steps / 2
-        result["forward_ms"] = forward_ms(runner, last["step"], batch, args)
+        if not sampling:
+            result["mean_context"] = statistics.mean(s.num_computed_tokens for s in seqs) - args.steps / 2
+            result["forward_ms"] = forward_ms(runner, last["step"], batch, args)
     finally:
         runner.prepare = prepare
         engine.async_scheduling = llm.engine.config.uses_async_scheduling
@@ -153,9 +166,13 @@ def run_mode(name: str, args) -> dict:
     print(f"{name}: async and synchronous tokens {'match' if out['async_tokens_match'] else 'DIFFER'}", flush=True)
     for batch in args.batches:
         point = measure_batch(llm, batch, args)
+        if args.sampled:
+            point.update(measure_batch(llm, batch, args, CHAT_SAMPLING))
         out["points"].append(point)
         print(f"{name:8s} b{batch:<4d} engine step {point['engine_step_ms']:6.2f} ms (sync "
-              f"{point['sync_engine_step_ms']:6.2f}), forward+logits {point['forward_ms']:6.2f} ms", flush=True)
+              f"{point['sync_engine_step_ms']:6.2f}"
+              + (f", sampled {point['sampled_engine_step_ms']:6.2f}" if args.sampled else "")
+              + f"), forward+logits {point['forward_ms']:6.2f} ms", flush=True)
     llm.shutdown()
     del llm
     gc.collect()
@@ -187,6 +204,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--modes", nargs="+", default=["default", "O2"], choices=list(MODES))
+    p.add_argument("--sampled", action="store_true",
+                   help=f"also time the engine step with sampling {CHAT_SAMPLING} instead of greedy")
     p.add_argument("--reference-args", nargs=argparse.REMAINDER, default=[],
                    help="passed on to reference_decode.py (e.g. a smaller shape for a CPU smoke run)")
     p.add_argument("--out", default=None)
@@ -211,7 +230,7 @@ def main() -> None:
                   f"{point['reference_step_ms'] or float('nan'):6.2f} ms, floor {point['floor_ms']:6.2f} ms"
                   + (f", {point['vs_reference']:.2f}x the reference's speed" if "vs_reference" in point else ""))
     report = {"model": args.model, "device": args.device, "dtype": args.dtype, "context": args.context,
-              "steps": args.steps, "torch": torch.__version__,
+              "steps": args.steps, "sampling": CHAT_SAMPLING if args.sampled else None, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
               "floor": {"copy_bytes_per_s": floor.copy_bytes_per_s, "matmul_flops_per_s": floor.matmul_flops_per_s,
                         "weight_bytes": floor.weight_bytes},
