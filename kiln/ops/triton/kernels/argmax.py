@@ -25,6 +25,8 @@ def argmax_kernel(x_ptr, out_ptr, part_value_ptr, part_index_ptr, counter_ptr, w
     if tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
         chunks = tl.arange(0, CHUNKS)
         values = tl.load(part_value_ptr + row * CHUNKS + chunks, cache_modifier=".cg")
+        # The indices load beside the values: not a second round trip after choosing.
+        indices = tl.load(part_index_ptr + row * CHUNKS + chunks, cache_modifier=".cg")
         best = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)[1]
-        tl.store(out_ptr + row, tl.load(part_index_ptr + row * CHUNKS + best, cache_modifier=".cg").to(tl.int64))
+        tl.store(out_ptr + row, tl.sum(tl.where(chunks == best, indices, 0), axis=0).to(tl.int64))
         tl.atomic_xchg(counter_ptr + row, 0, sem="relaxed", scope="gpu")
