@@ -735,9 +735,9 @@ def _compile_all_for_sm90() -> None:
         build(attention.paged_attention_kernel,
               dict(attention_args, query_ptr=pointer, key_cache_ptr=pointer, value_cache_ptr=pointer, out_ptr=pointer),
               dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DIM=head_dim,
-                   BLOCK_SIZE=16, KV_SPLITS=splits, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", ONE_QUERY=one_query,
-                   HAS_WINDOW=window, HAS_SOFTCAP=softcap, HEADS_FIRST=one_query and head_dim == 128,
-                   OFFSETS_64=dtype == "fp32"),
+                   BLOCK_SIZE=16, KV_SPLITS=splits, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+                   ONE_QUERY=one_query, HAS_WINDOW=window, HAS_SOFTCAP=softcap,
+                   HEADS_FIRST=one_query and head_dim == 128, OFFSETS_64=dtype == "fp32"),
               4, stages)
     # The MoE grouped GEMM: both launches (gate/up of the routed rows, weighted down), decode and prefill blocks.
     moe_args = dict(a_ptr=bf16, b_ptr=bf16, c_ptr=bf16, weight_ptr="*fp32", sorted_pairs_ptr="*i32",

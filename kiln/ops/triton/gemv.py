@@ -76,7 +76,8 @@ def _config(block_n, block_k, split_k, num_warps, num_stages) -> triton.Config:
 # Where a chunk of x is narrower than one 16-byte vector a thread (BLOCK_K < 8 x 32 x
 # num_warps), Triton lays x out narrower than W and moves W's chunk through shared memory to
 # match, every chunk: 2-8 barriers in the sm_90 loop of each of the first eight. The last four
-# are that wide: no barrier, 3.6-3.7 instructions a weight against 3.7-4.6 (untimed on a GPU).
+# are that wide: no barrier, and at qkv's shape 3.6-3.8 instructions a weight against 3.7-4.3
+# (benchmarks/kernel_code.py; untimed on a GPU).
 FMA_CONFIGS = [
     _config(8, 512, 1, 4, 3),
     _config(16, 512, 1, 8, 3),
