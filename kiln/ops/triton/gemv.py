@@ -71,8 +71,8 @@ def _config(block_n, block_k, split_k, num_warps, num_stages) -> triton.Config:
                          num_warps=num_warps, num_stages=num_stages)
 
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages). Each thread loads 8-32 weights (one
-# to four 16-byte vectors of bf16) per chunk; the pruning keeps those whose accumulator fits.
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages). Each thread loads 8-64 weights (one
+# to eight 16-byte vectors of bf16) per chunk; the pruning keeps those whose accumulator fits.
 # Where a chunk of x is narrower than one 16-byte vector a thread (BLOCK_K < 8 x 32 x
 # num_warps), Triton lays x out narrower than W and moves W's chunk through shared memory to
 # match, every chunk: 2-8 barriers in the sm_90 loop of each of the first eight. The last four
