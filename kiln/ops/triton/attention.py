@@ -33,6 +33,7 @@ CUDA-graph bucket) are left untouched.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -87,10 +88,16 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), num_kv_heads, kv_cache.shape[2],
-        HEAD_DIM=head_dim,
-        BLOCK_HEADS=triton.next_power_of_2(num_kv_heads), BLOCK_DIM=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_HEADS=_pow2(num_kv_heads), BLOCK_DIM=_pow2(head_dim), num_warps=4,
     )
+
+
+# A launch's shape-derived settings are computed once per shape: a forward calls these ops once a
+# layer, and each call's host time is paid by every eager step and CUDA-graph capture
+# (triton.next_power_of_2 alone took 2 us a call).
+@functools.cache
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
 
 
 # ---------------------------------------------------------------------------- attention
@@ -105,11 +112,12 @@ class AttentionTiles:
     heads_first: bool = False  # grid (kv heads, tiles, splits) rather than (tiles, kv heads, splits)
 
 
+@functools.cache
 def choose_tiles(max_query_len: int, group: int, head_dim: int, programs: int = 1,
                  device: torch.device | None = None) -> AttentionTiles:
     """`programs`: sequences x kv heads of the launch (only decode looks at it)."""
     # tl.dot needs at least 16 rows; a decode tile is one token's GROUP heads, padded to 16.
-    rows_needed = triton.next_power_of_2(group)
+    rows_needed = _pow2(group)
     block_m = max(16 if max_query_len == 1 else 64, rows_needed)
     if max_query_len != 1:
         return AttentionTiles(block_m=block_m, block_n=32 if head_dim > 128 else 64, num_warps=4)
@@ -155,9 +163,14 @@ def choose_kv_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.d
     """
     if meta.max_query_len != 1:
         return 1
-    programs = max(meta.seq_lens.shape[0], 1) * num_kv_heads
+    return _kv_splits(meta.seq_lens.shape[0], num_kv_heads, meta.max_seq_len, device, head_dim)
+
+
+@functools.cache
+def _kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device, head_dim: int) -> int:
+    programs = max(num_seqs, 1) * num_kv_heads
     by_occupancy = PROGRAMS_PER_SM * _multiprocessor_count(device) // programs
-    by_length = meta.max_seq_len // (MIN_KEYS_PER_SPLIT if head_dim <= 128 else WIDE_HEAD_MIN_KEYS_PER_SPLIT)
+    by_length = max_seq_len // (MIN_KEYS_PER_SPLIT if head_dim <= 128 else WIDE_HEAD_MIN_KEYS_PER_SPLIT)
     splits = min(by_occupancy, by_length, MAX_KV_SPLITS)
     return 1 if splits < 2 else 2 ** int(math.log2(splits))
 
@@ -222,7 +235,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"paged_attention: kv_splits must be a power of two, got {splits}")
     block_q = tiles.block_m // group
-    block_dim = max(triton.next_power_of_2(head_dim), 16)
+    block_dim = max(_pow2(head_dim), 16)
     one_query = meta.max_query_len == 1
     num_tiles = num_seqs if one_query else query.shape[0] // block_q + num_seqs
     partial_acc = partial_max = partial_sum = out  # unused placeholders when not split

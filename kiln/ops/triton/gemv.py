@@ -42,6 +42,7 @@ columns alone fill the GPU) are pruned.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -295,10 +296,20 @@ def _split_counters(device: torch.device) -> torch.Tensor:
     return _counters[device]
 
 
+_unread: dict[torch.device, torch.Tensor] = {}
+
+
+def _unread_workspace(device: torch.device) -> torch.Tensor:
+    if device not in _unread:
+        _unread[device] = torch.empty(1, dtype=torch.float32, device=device)
+    return _unread[device]
+
+
 def choose_kernel(rows: int) -> str:
     return "fma" if rows <= FMA_MAX_ROWS else "dot"
 
 
+@functools.cache
 def padded_rows(rows: int, kernel: str) -> int:
     """BLOCK_M of a launch: the autotuning key's row count."""
     if kernel == "fma":
@@ -364,8 +375,9 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
                                                             _num_sms(x.device), fma, x.element_size())
     max_split = max(c.kwargs["SPLIT_K"] for c in candidates)
     # Every split writes M x N fp32 partials; a workspace for the largest split any
-    # candidate uses (unread, and one element, when none splits).
-    workspace = torch.empty(max_split * M * N if max_split > 1 else 1, dtype=torch.float32, device=x.device)
+    # candidate uses (unread when none splits: then one shared element, not an allocation a call).
+    workspace = torch.empty(max_split * M * N, dtype=torch.float32, device=x.device) if max_split > 1 \
+        else _unread_workspace(x.device)
     args = (rows_view, weight, out_rows, workspace, _split_counters(x.device), M, N, K,
             rows_view.stride(0), weight.stride(0), out_rows.stride(0))
     extra = {"ACTIVATION": activation or ""} if fma else {"DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}

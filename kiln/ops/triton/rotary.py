@@ -13,6 +13,8 @@ The same launch can write the rotated k and v into the paged KV cache (kiln::rot
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -61,12 +63,18 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         cache_args = (k, k, k, positions, 0, 0, 0, 0, 1, 0)
     rotary_kernel[(num_tokens,)](
         positions, q, k, cos_sin_cache, q_out, k_out, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
-        num_q_heads, num_kv_heads, *cache_args,
-        HEAD_DIM=head_dim, ROTARY_DIM=cos_sin_cache.shape[-1], BLOCK_DIM=triton.next_power_of_2(head_dim),
-        BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads), BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
-        WRITE_KV=write, num_warps=8 if num_q_heads * head_dim >= 8192 else 4,
+        num_q_heads, num_kv_heads, *cache_args, WRITE_KV=write,
+        **_launch_config(head_dim, cos_sin_cache.shape[-1], num_q_heads, num_kv_heads),
     )
     return q_out, k_out
+
+
+@functools.cache
+def _launch_config(head_dim: int, rotary_dim: int, num_q_heads: int, num_kv_heads: int) -> dict:
+    # Once per shape: the powers of two cost more host time than the rest of a launch's setup.
+    return dict(HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, BLOCK_DIM=triton.next_power_of_2(head_dim),
+                BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads), BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
+                num_warps=8 if num_q_heads * head_dim >= 8192 else 4)
 
 
 def _check_kv_write(k, value, kv_cache, slot_mapping, head_dim) -> None:
