@@ -50,3 +50,49 @@ def test_greedy_tokens_are_torchs_argmax(dtype):
     x[5, 4999] = 100
     assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
     assert greedy_tokens(x).tolist()[1:] == [0, 100, 7, 0, 4999]
+
+
+def _rules_by_the_book(logits, top_k, top_p, generator):
+    """The sampling rules written plainly over vocabulary ids: top-k keeps ties with the k-th
+    logit, top-p keeps a token while the tokens ranked above it (value, then id) hold less than
+    top_p, and the race draws one Exp(1) per id from the row's generator."""
+    kept = logits.clone()
+    if top_k > 0:
+        kept[kept < kept.sort(descending=True).values[top_k - 1]] = float("-inf")
+    probs = kept.softmax(-1)
+    if top_p < 1:
+        values, order = probs.sort(descending=True, stable=True)
+        probs[order[values.cumsum(-1) - values >= top_p]] = 0
+    return int((probs / torch.empty(logits.shape[0]).exponential_(generator=generator)).argmax())
+
+
+@pytest.mark.parametrize("coarse", [False, True])
+def test_top_k_and_top_p_draw_what_the_rules_say_with_tied_logits(coarse):
+    """bf16-rounded logits tie often (at the k-th one too), rounded ones in long runs; every
+    seeded draw equals the plain rules' draw from the same generator, alone or batched beside
+    rows that change the batch's largest k or its way of cutting (a row without top-k sorts)."""
+    torch.manual_seed(0)
+    logits = (torch.randn(8, 3000) * 3).to(torch.bfloat16).float()
+    if coarse:
+        logits = (logits / 2).round()
+    cases = [(50, 0.95), (50, 1.0), (0, 0.9), (7, 0.5), (1000, 0.99), (1, 1.0), (3, 0.95), (600, 0.3)]
+    for seed in range(5):
+        params = [SamplingParams(top_k=k, top_p=p, seed=seed) for k, p in cases]
+        want = [_rules_by_the_book(logits[i], k, p, torch.Generator().manual_seed(seed))
+                for i, (k, p) in enumerate(cases)]
+        for rows in (range(8), [0, 1, 3, 4, 5, 6, 7]):  # with a row without top-k, and without one
+            rows = list(rows)
+            drawn = sample(logits[rows], [params[i] for i in rows], [torch.Generator().manual_seed(seed) for _ in rows])
+            assert drawn.tolist() == [want[i] for i in rows]
+        alone = [sample(logits[i:i + 1], [params[i]], [torch.Generator().manual_seed(seed)]).item()
+                 for i in range(len(cases))]
+        assert alone == want
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.999])
+def test_top_k_keeps_the_logits_tied_with_the_kth(top_p):
+    logits = torch.full((1, 50), -10.0)
+    logits[0, :4] = torch.tensor([3.0, 2.0, 2.0, 2.0])
+    drawn = {sample(logits, [SamplingParams(top_k=2, top_p=top_p)], [torch.Generator().manual_seed(s)]).item()
+             for s in range(200)}
+    assert drawn == {0, 1, 2, 3}

@@ -60,15 +60,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         sub = logits.index_select(0, index) / to_device([params[i].temperature for i in rows], logits.dtype,
                                                          dev).unsqueeze(1)
         sub = _min_p(sub, [params[i].min_p for i in rows])
-        sub = _top_k(sub, [params[i].top_k for i in rows])
-        sub = _top_p(sub, [params[i].top_p for i in rows])
-        probs = sub.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for j, i in enumerate(rows):
-            if generators[i] is not None:
-                drawn = torch.empty(probs.shape[1], pin_memory=dev.type == "cuda").exponential_(generator=generators[i])
-                noise[j].copy_(drawn, non_blocking=True)
-        tokens.index_copy_(0, index, greedy_tokens(probs / noise))
+        top_k, top_p = [params[i].top_k for i in rows], [params[i].top_p for i in rows]
+        seeded = [(j, generators[i]) for j, i in enumerate(rows) if generators[i] is not None]
+        if all(p >= 1.0 for p in top_p):
+            probs = _top_k(sub, top_k).softmax(dim=-1)
+        elif all(0 < k <= TOP_K_SELECT_MAX for k in top_k):
+            probs = _top_k_top_p_selected(sub, top_k, top_p)
+        else:
+            probs = _top_k_top_p_sorted(sub, top_k, top_p)
+        tokens.index_copy_(0, index, greedy_tokens(probs / _race_noise(probs, seeded)))
     return tokens
 
 
@@ -168,22 +168,68 @@ def _min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     return logits.masked_fill(probs < floor, float("-inf"))
 
 
+# Up to this top_k, top-k with top-p select the kept tokens by topk, without sorting the vocabulary.
+TOP_K_SELECT_MAX = 1024
+
+
 def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    if all(k <= 0 for k in top_k):  # 0 and -1: off
+    """Keep each row's k largest logits and any tied with the k-th (0 and -1: all)."""
+    if all(k <= 0 for k in top_k):
         return logits
     vocab = logits.shape[1]
-    k = to_device([vocab if k <= 0 else min(k, vocab) for k in top_k], torch.long, logits.device)
-    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+    ks = [vocab if k <= 0 else min(k, vocab) for k in top_k]
+    # topk selects without sorting the row: far cheaper than a sort for a chat-sized k.
+    kth = logits.topk(max(ks), dim=-1).values.gather(1, to_device([k - 1 for k in ks], torch.long, logits.device)
+                                                       .unsqueeze(1))
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def _top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    if all(p >= 1.0 for p in top_p):
-        return logits
-    p = to_device(top_p, logits.dtype, logits.device).unsqueeze(1)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    # Drop a token when the tokens ranked above it already reach top_p; the top one stays.
-    drop = (probs.cumsum(dim=-1) - probs) >= p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+def _top_k_top_p_sorted(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Probabilities (unnormalised where top_p cut) after top-k and top-p, by one sort of each row
+    (value descending, then id): top-p drops a token once the tokens ranked above it hold top_p."""
+    values, order = logits.sort(dim=-1, descending=True, stable=True)
+    vocab = values.shape[1]
+    if any(k > 0 for k in top_k):
+        k = to_device([vocab if k <= 0 else min(k, vocab) for k in top_k], torch.long, values.device)
+        values = values.masked_fill(values < values.gather(1, (k - 1).unsqueeze(1)), float("-inf"))
+    probs = values.softmax(dim=-1)
+    reached = probs.cumsum(dim=-1) - probs >= to_device(top_p, probs.dtype, probs.device).unsqueeze(1)
+    # The race is blind to scale: the kept probabilities need no renormalising.
+    return torch.empty_like(probs).scatter_(1, order, probs.masked_fill(reached, 0))
+
+
+def _top_k_top_p_selected(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """_top_k_top_p_sorted's result without sorting the vocabulary, for rows whose top_k is at most
+    TOP_K_SELECT_MAX. In the sorted order, the tokens above the k-th logit come first (all of them
+    are among topk's k), then the tokens tied with the k-th, by id, each with the same probability
+    q: so the j-th tied token is kept while (mass above) + j * q < top_p."""
+    dev, vocab = logits.device, logits.shape[1]
+    ks = [min(k, vocab) for k in top_k]
+    values, ids = logits.topk(max(ks), dim=-1)
+    kth = values.gather(1, to_device([k - 1 for k in ks], torch.long, dev).unsqueeze(1))
+    log_z = logits.masked_fill(logits < kth, float("-inf")).logsumexp(dim=-1, keepdim=True)
+    # topk's order among equal values is unspecified: order its picks by id, then stably by value.
+    ids, by_id = ids.sort(dim=-1)
+    values = values.gather(1, by_id).masked_fill(values.gather(1, by_id) <= kth, float("-inf"))
+    values, by_value = values.sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, by_value)
+    above = (values - log_z).exp()  # 0 past the tokens above the k-th
+    p = to_device(top_p, logits.dtype, dev).unsqueeze(1)
+    kept_above = (above > 0) & (above.cumsum(dim=-1) - above < p)
+    q = (kth - log_z).exp()
+    tied_kept = (p - above.sum(dim=-1, keepdim=True)) / q  # j < this keeps the j-th tied token
+    tied = logits == kth
+    keep = tied & (tied.cumsum(dim=-1, dtype=torch.int32) - 1 < tied_kept)
+    keep = torch.cat([keep, keep.new_zeros(len(ks), 1)], dim=1)  # column `vocab`: where the unkept go
+    keep = keep.scatter_(1, torch.where(kept_above, ids, vocab), True)[:, :vocab]
+    return (logits - log_z).exp().masked_fill(~keep, 0)
+
+
+def _race_noise(probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]]) -> torch.Tensor:
+    """Exp(1) draws for the exponential race, one per vocabulary id. A seeded row draws its own
+    from its generator, so its token depends on nothing else in the batch."""
+    noise = torch.empty_like(probs).exponential_()
+    for j, generator in seeded:
+        drawn = torch.empty(probs.shape[1], pin_memory=probs.device.type == "cuda").exponential_(generator=generator)
+        noise[j].copy_(drawn, non_blocking=True)
+    return noise
