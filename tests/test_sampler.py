@@ -55,7 +55,7 @@ def test_greedy_tokens_are_torchs_argmax(dtype):
 def _rules_by_the_book(logits, top_k, top_p, generator):
     """The sampling rules written plainly over vocabulary ids: top-k keeps ties with the k-th
     logit, top-p keeps a token while the tokens ranked above it (value, then id) hold less than
-    top_p, and the race draws one Exp(1) per id from the row's generator."""
+    top_p, and the race draws one Exp(1) per id from a generator seeded by the row's."""
     kept = logits.clone()
     if top_k > 0:
         kept[kept < kept.sort(descending=True).values[top_k - 1]] = float("-inf")
@@ -63,7 +63,10 @@ def _rules_by_the_book(logits, top_k, top_p, generator):
     if top_p < 1:
         values, order = probs.sort(descending=True, stable=True)
         probs[order[values.cumsum(-1) - values >= top_p]] = 0
-    return int((probs / torch.empty(logits.shape[0]).exponential_(generator=generator)).argmax())
+    from kiln.engine.sampler import draw_seed
+
+    noise = torch.empty(logits.shape[0]).exponential_(generator=torch.Generator().manual_seed(draw_seed(generator)))
+    return int((probs / noise).argmax())
 
 
 @pytest.mark.parametrize("coarse", [False, True])

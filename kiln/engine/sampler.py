@@ -226,10 +226,23 @@ def _top_k_top_p_selected(logits: torch.Tensor, top_k: list[int], top_p: list[fl
 
 
 def _race_noise(probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]]) -> torch.Tensor:
-    """Exp(1) draws for the exponential race, one per vocabulary id. A seeded row draws its own
-    from its generator, so its token depends on nothing else in the batch."""
+    """Exp(1) draws for the exponential race, one per vocabulary id. A seeded row takes a seed
+    from its own (host) generator and draws from it on the logits' device, so its token depends on
+    nothing else in the batch, and a GPU step pays no host draws of a vocabulary's length."""
     noise = torch.empty_like(probs).exponential_()
     for j, generator in seeded:
-        drawn = torch.empty(probs.shape[1], pin_memory=probs.device.type == "cuda").exponential_(generator=generator)
-        noise[j].copy_(drawn, non_blocking=True)
+        noise[j].exponential_(generator=_device_generator(probs.device, draw_seed(generator)))
     return noise
+
+
+def draw_seed(generator: torch.Generator) -> int:
+    return int(torch.randint(2**62, (1,), generator=generator))
+
+
+_generators: dict[torch.device, torch.Generator] = {}
+
+
+def _device_generator(device: torch.device, seed: int) -> torch.Generator:
+    if device not in _generators:
+        _generators[device] = torch.Generator(device=device)
+    return _generators[device].manual_seed(seed)
