@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kiln.engine.sampler import sample
+from kiln.engine import sampler
+from kiln.engine.sampler import draw_seed, sample
 from kiln.engine.sampling_params import SamplingParams
 
 
@@ -22,7 +23,9 @@ def test_top_k_and_top_p_restrict_the_choice():
         assert sample(logits, [SamplingParams(top_p=0.7)], [gen]).item() in (0, 1)
 
 
-def test_sampling_follows_the_distribution():
+@pytest.mark.parametrize("method", ["race", "running sum"])
+def test_sampling_follows_the_distribution(method, monkeypatch):
+    monkeypatch.setattr(sampler, "draw", sampler.race if method == "race" else sampler.draw)
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).repeat(4000, 1)
     tokens = sample(logits, [SamplingParams()] * 4000, [None] * 4000)
     freq = torch.bincount(tokens, minlength=3).float() / 4000
@@ -52,10 +55,11 @@ def test_greedy_tokens_are_torchs_argmax(dtype):
     assert greedy_tokens(x).tolist()[1:] == [0, 100, 7, 0, 4999]
 
 
-def _rules_by_the_book(logits, top_k, top_p, generator):
+def _rules_by_the_book(logits, top_k, top_p, generator, method):
     """The sampling rules written plainly over vocabulary ids: top-k keeps ties with the k-th
     logit, top-p keeps a token while the tokens ranked above it (value, then id) hold less than
-    top_p, and the race draws one Exp(1) per id from a generator seeded by the row's."""
+    top_p; then the draw from the row's generator: the race (one Exp(1) per id from a generator
+    seeded by the row's) or the running sum (one uniform)."""
     kept = logits.clone()
     if top_k > 0:
         kept[kept < kept.sort(descending=True).values[top_k - 1]] = float("-inf")
@@ -63,17 +67,20 @@ def _rules_by_the_book(logits, top_k, top_p, generator):
     if top_p < 1:
         values, order = probs.sort(descending=True, stable=True)
         probs[order[values.cumsum(-1) - values >= top_p]] = 0
-    from kiln.engine.sampler import draw_seed
+    if method == "race":
+        noise = torch.empty(logits.shape[0]).exponential_(generator=torch.Generator().manual_seed(draw_seed(generator)))
+        return int((probs / noise).argmax())
+    running = probs.double().cumsum(-1)
+    return int((running > torch.rand(1, dtype=torch.float64, generator=generator) * running[-1]).nonzero()[0])
 
-    noise = torch.empty(logits.shape[0]).exponential_(generator=torch.Generator().manual_seed(draw_seed(generator)))
-    return int((probs / noise).argmax())
 
-
+@pytest.mark.parametrize("method", ["race", "running sum"])
 @pytest.mark.parametrize("coarse", [False, True])
-def test_top_k_and_top_p_draw_what_the_rules_say_with_tied_logits(coarse):
+def test_top_k_and_top_p_draw_what_the_rules_say_with_tied_logits(coarse, method, monkeypatch):
     """bf16-rounded logits tie often (at the k-th one too), rounded ones in long runs; every
     seeded draw equals the plain rules' draw from the same generator, alone or batched beside
     rows that change the batch's largest k or its way of cutting (a row without top-k sorts)."""
+    monkeypatch.setattr(sampler, "draw", sampler.race if method == "race" else sampler.draw)
     torch.manual_seed(0)
     logits = (torch.randn(8, 3000) * 3).to(torch.bfloat16).float()
     if coarse:
@@ -81,7 +88,7 @@ def test_top_k_and_top_p_draw_what_the_rules_say_with_tied_logits(coarse):
     cases = [(50, 0.95), (50, 1.0), (0, 0.9), (7, 0.5), (1000, 0.99), (1, 1.0), (3, 0.95), (600, 0.3)]
     for seed in range(5):
         params = [SamplingParams(top_k=k, top_p=p, seed=seed) for k, p in cases]
-        want = [_rules_by_the_book(logits[i], k, p, torch.Generator().manual_seed(seed))
+        want = [_rules_by_the_book(logits[i], k, p, torch.Generator().manual_seed(seed), method)
                 for i, (k, p) in enumerate(cases)]
         for rows in (range(8), [0, 1, 3, 4, 5, 6, 7]):  # with a row without top-k, and without one
             rows = list(rows)
@@ -99,3 +106,12 @@ def test_top_k_keeps_the_logits_tied_with_the_kth(top_p):
     drawn = {sample(logits, [SamplingParams(top_k=2, top_p=top_p)], [torch.Generator().manual_seed(s)]).item()
              for s in range(200)}
     assert drawn == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("u", [0.0, 1.0 - 2**-53])
+def test_the_running_sum_never_draws_a_token_without_a_share(u, monkeypatch):
+    """At u = 0 a left search would take the zero-share token at the front; u just below 1 takes
+    the last token with a share, not the zero-share one after it."""
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full(a[:2] if len(a) > 1 else a, u, dtype=torch.float64))
+    probs = torch.tensor([[0.0, 0.0, 0.5, 0.0, 0.3, 0.7, 0.0]])
+    assert sampler.draw(probs, []).item() == (2 if u == 0 else 5)

@@ -5,9 +5,9 @@ semantics: logit_bias is added; EOS and stop_token_ids are masked until min_toke
 repetition_penalty divides positive logits (multiplies negative ones) of every token seen in
 the prompt or output; frequency and presence penalties subtract per occurrence and once per
 token of the output. Then greedy rows take the argmax; the others are scaled by temperature,
-cut by min_p, top-k and top-p, and sampled by the exponential race (argmax of p / E,
-E ~ Exp(1)), which draws from p with one random number per token; a seeded row draws its E
-from its own generator, so its tokens do not depend on what else is in the batch.
+cut by min_p, top-k and top-p, and drawn: on the GPU by the exponential race (argmax of
+p / E, E ~ Exp(1) a token), on the CPU by the running sum (one uniform draw a row); a seeded
+row draws from its own generator, so its tokens do not depend on what else is in the batch.
 
 Nothing here waits for the GPU (every host value goes up through pinned memory), so the
 engine can prepare its next step while this one runs.
@@ -68,7 +68,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             probs = _top_k_top_p_selected(sub, top_k, top_p)
         else:
             probs = _top_k_top_p_sorted(sub, top_k, top_p)
-        tokens.index_copy_(0, index, greedy_tokens(probs / _race_noise(probs, seeded)))
+        tokens.index_copy_(0, index, draw(probs, seeded))
     return tokens
 
 
@@ -225,14 +225,34 @@ def _top_k_top_p_selected(logits: torch.Tensor, top_k: list[int], top_p: list[fl
     return (logits - log_z).exp().masked_fill(~keep, 0)
 
 
-def _race_noise(probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]]) -> torch.Tensor:
-    """Exp(1) draws for the exponential race, one per vocabulary id. A seeded row takes a seed
-    from its own (host) generator and draws from it on the logits' device, so its token depends on
-    nothing else in the batch, and a GPU step pays no host draws of a vocabulary's length."""
+def draw(probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]]) -> torch.Tensor:
+    """One token per row of (unnormalised) probabilities; a seeded row's depends on its generator
+    alone, never on the rest of the batch."""
+    return _inverse_cdf(probs, seeded) if probs.device.type == "cpu" else race(probs, seeded)
+
+
+def race(probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]]) -> torch.Tensor:
+    """The exponential race: argmax of p / E, E ~ Exp(1) a token. On the GPU the draws cost next to
+    nothing and the argmax is one launch. A seeded row takes a seed from its own (host) generator
+    and draws on the probabilities' device: no host draws of a vocabulary's length."""
     noise = torch.empty_like(probs).exponential_()
     for j, generator in seeded:
         noise[j].exponential_(generator=_device_generator(probs.device, draw_seed(generator)))
-    return noise
+    return greedy_tokens(probs / noise)
+
+
+def _inverse_cdf(probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]]) -> torch.Tensor:
+    """The first token whose running sum of probabilities passes u times the row's total, u ~ U[0, 1):
+    one draw a row, where the CPU takes ~28 ns an Exp(1) draw (22 ms for 16 x 49,152). Summed in
+    fp64 so that a token's share is exact to ~1e-16, not fp32's ~1e-7 at the end of the row."""
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64)
+    for j, generator in seeded:
+        u[j] = torch.rand(1, dtype=torch.float64, generator=generator)
+    running = probs.double().cumsum(dim=-1)
+    # The first sum strictly past u * total (< total for u < 1): never a token without a share.
+    # Only a row of NaN (logits pushed to inf by a request's extreme penalties) finds none.
+    picked = torch.searchsorted(running, u * running[:, -1:], right=True).squeeze(1)
+    return picked.clamp_(max=probs.shape[1] - 1)
 
 
 def draw_seed(generator: torch.Generator) -> int:
