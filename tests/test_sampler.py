@@ -55,18 +55,22 @@ def test_greedy_tokens_are_torchs_argmax(dtype):
     assert greedy_tokens(x).tolist()[1:] == [0, 100, 7, 0, 4999]
 
 
-def _rules_by_the_book(logits, top_k, top_p, generator, method):
-    """The sampling rules written plainly over vocabulary ids: top-k keeps ties with the k-th
-    logit, top-p keeps a token while the tokens ranked above it (value, then id) hold less than
-    top_p; then the draw from the row's generator: the race (one Exp(1) per id from a generator
-    seeded by the row's) or the running sum (one uniform)."""
+def _rules_by_the_book(logits, top_k, top_p, min_p, generator, method):
+    """The sampling rules written plainly over vocabulary ids: min_p drops a token below min_p
+    times the likeliest one's probability; top-k keeps ties with the k-th logit; top-p keeps a token while the tokens with larger logits hold less than top_p of what
+    top-k left; then the draw from the row's generator: the race (one Exp(1) per id from a
+    generator seeded by the row's) or the running sum (one uniform)."""
     kept = logits.clone()
+    full = logits.softmax(-1)
+    kept[full < min_p * full.max()] = float("-inf")
     if top_k > 0:
         kept[kept < kept.sort(descending=True).values[top_k - 1]] = float("-inf")
     probs = kept.softmax(-1)
     if top_p < 1:
-        values, order = probs.sort(descending=True, stable=True)
-        probs[order[values.cumsum(-1) - values >= top_p]] = 0
+        values, which = kept.unique(return_inverse=True)  # ascending
+        mass = torch.zeros(len(values)).scatter_add_(0, which, probs)
+        larger = mass.flip(0).cumsum(0).flip(0) - mass  # held by the values above each
+        probs[larger[which] >= top_p] = 0
     if method == "race":
         noise = torch.empty(logits.shape[0]).exponential_(generator=torch.Generator().manual_seed(draw_seed(generator)))
         return int((probs / noise).argmax())
@@ -85,11 +89,12 @@ def test_top_k_and_top_p_draw_what_the_rules_say_with_tied_logits(coarse, method
     logits = (torch.randn(8, 3000) * 3).to(torch.bfloat16).float()
     if coarse:
         logits = (logits / 2).round()
-    cases = [(50, 0.95), (50, 1.0), (0, 0.9), (7, 0.5), (1000, 0.99), (1, 1.0), (3, 0.95), (600, 0.3)]
+    cases = [(50, 0.95, 0), (50, 1.0, 0), (0, 0.9, 0), (7, 0.5, 0.1), (1000, 0.99, 0.01), (1, 1.0, 0),
+             (3, 0.95, 0), (600, 0.3, 0)]
     for seed in range(5):
-        params = [SamplingParams(top_k=k, top_p=p, seed=seed) for k, p in cases]
-        want = [_rules_by_the_book(logits[i], k, p, torch.Generator().manual_seed(seed), method)
-                for i, (k, p) in enumerate(cases)]
+        params = [SamplingParams(top_k=k, top_p=p, min_p=m, seed=seed) for k, p, m in cases]
+        want = [_rules_by_the_book(logits[i], k, p, m, torch.Generator().manual_seed(seed), method)
+                for i, (k, p, m) in enumerate(cases)]
         for rows in (range(8), [0, 1, 3, 4, 5, 6, 7]):  # with a row without top-k, and without one
             rows = list(rows)
             drawn = sample(logits[rows], [params[i] for i in rows], [torch.Generator().manual_seed(seed) for _ in rows])

@@ -57,18 +57,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if rows:
         dev = logits.device
         index = to_device(rows, torch.long, dev)
-        sub = logits.index_select(0, index) / to_device([params[i].temperature for i in rows], logits.dtype,
-                                                         dev).unsqueeze(1)
-        sub = _min_p(sub, [params[i].min_p for i in rows])
-        top_k, top_p = [params[i].top_k for i in rows], [params[i].top_p for i in rows]
-        seeded = [(j, generators[i]) for j, i in enumerate(rows) if generators[i] is not None]
-        if all(p >= 1.0 for p in top_p):
-            probs = _top_k(sub, top_k).softmax(dim=-1)
-        elif all(0 < k <= TOP_K_SELECT_MAX for k in top_k):
-            probs = _top_k_top_p_selected(sub, top_k, top_p)
-        else:
-            probs = _top_k_top_p_sorted(sub, top_k, top_p)
-        tokens.index_copy_(0, index, draw(probs, seeded))
+        scaled = logits.index_select(0, index) / to_device([params[i].temperature for i in rows], logits.dtype,
+                                                            dev).unsqueeze(1)
+        kept = kept_probs(scaled, [params[i].min_p for i in rows], [params[i].top_k for i in rows],
+                          [params[i].top_p for i in rows])
+        tokens.index_copy_(0, index, draw(kept, [(j, generators[i]) for j, i in enumerate(rows)
+                                                 if generators[i] is not None]))
     return tokens
 
 
@@ -159,70 +153,47 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
-def _min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
-    """Drop a token whose probability is below min_p times the most likely one's."""
-    if all(p == 0 for p in min_p):
-        return logits
-    probs = logits.softmax(dim=-1)
-    floor = to_device(min_p, logits.dtype, logits.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-    return logits.masked_fill(probs < floor, float("-inf"))
-
-
-# Up to this top_k, top-k with top-p select the kept tokens by topk, without sorting the vocabulary.
+# Up to this top_k, the tokens top-p ranks are topk's picks; past it (or without top-k) the row is sorted.
 TOP_K_SELECT_MAX = 1024
 
 
-def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """Keep each row's k largest logits and any tied with the k-th (0 and -1: all)."""
-    if all(k <= 0 for k in top_k):
-        return logits
-    vocab = logits.shape[1]
-    ks = [vocab if k <= 0 else min(k, vocab) for k in top_k]
-    # topk selects without sorting the row: far cheaper than a sort for a chat-sized k.
-    kth = logits.topk(max(ks), dim=-1).values.gather(1, to_device([k - 1 for k in ks], torch.long, logits.device)
-                                                       .unsqueeze(1))
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def _top_k_top_p_sorted(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Probabilities (unnormalised where top_p cut) after top-k and top-p, by one sort of each row
-    (value descending, then id): top-p drops a token once the tokens ranked above it hold top_p."""
-    values, order = logits.sort(dim=-1, descending=True, stable=True)
-    vocab = values.shape[1]
+def kept_probs(x: torch.Tensor, min_p: list[float], top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Each row's probabilities (unnormalised: exp(x - max)) with the tokens min_p, top_k and top_p
+    cut set to 0, in that order. min_p drops a token below min_p times the likeliest one's; top-k
+    keeps the k largest and any tied with the k-th; top-p keeps a token while the tokens more likely
+    than it hold less than top_p of what is left. Tied tokens stand or fall together, so every cut
+    keeps the tokens at or above a threshold, and the order a sort gives equal values never matters."""
+    dev, vocab = x.device, x.shape[1]
+    e = (x - x.amax(dim=-1, keepdim=True)).exp()
+    floor = None
+    if any(p > 0 for p in min_p):
+        floor = to_device(min_p, x.dtype, dev).unsqueeze(1)
+    tau = None  # the smallest logit kept, where top-k or top-p cuts
+    ranked = None  # each row's largest logits, descending: all of them, or topk's picks
+    if any(p < 1 for p in top_p) and not all(0 < k <= TOP_K_SELECT_MAX for k in top_k):
+        ranked = x.sort(dim=-1, descending=True).values
+    elif any(k > 0 for k in top_k):
+        ranked = x.topk(min(max(top_k), vocab), dim=-1).values
     if any(k > 0 for k in top_k):
-        k = to_device([vocab if k <= 0 else min(k, vocab) for k in top_k], torch.long, values.device)
-        values = values.masked_fill(values < values.gather(1, (k - 1).unsqueeze(1)), float("-inf"))
-    probs = values.softmax(dim=-1)
-    reached = probs.cumsum(dim=-1) - probs >= to_device(top_p, probs.dtype, probs.device).unsqueeze(1)
-    # The race is blind to scale: the kept probabilities need no renormalising.
-    return torch.empty_like(probs).scatter_(1, order, probs.masked_fill(reached, 0))
+        kth = ranked.gather(1, to_device([min(max(k, 1), vocab) - 1 for k in top_k], torch.long, dev).unsqueeze(1))
+        tau = torch.where(to_device([k > 0 for k in top_k], torch.bool, dev).unsqueeze(1), kth, float("-inf"))
 
+    def cut(values: torch.Tensor, ev: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(values, dtype=torch.bool) if tau is None else values < tau
+        return out if floor is None else out | (ev < floor)
 
-def _top_k_top_p_selected(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """_top_k_top_p_sorted's result without sorting the vocabulary, for rows whose top_k is at most
-    TOP_K_SELECT_MAX. In the sorted order, the tokens above the k-th logit come first (all of them
-    are among topk's k), then the tokens tied with the k-th, by id, each with the same probability
-    q: so the j-th tied token is kept while (mass above) + j * q < top_p."""
-    dev, vocab = logits.device, logits.shape[1]
-    ks = [min(k, vocab) for k in top_k]
-    values, ids = logits.topk(max(ks), dim=-1)
-    kth = values.gather(1, to_device([k - 1 for k in ks], torch.long, dev).unsqueeze(1))
-    log_z = logits.masked_fill(logits < kth, float("-inf")).logsumexp(dim=-1, keepdim=True)
-    # topk's order among equal values is unspecified: order its picks by id, then stably by value.
-    ids, by_id = ids.sort(dim=-1)
-    values = values.gather(1, by_id).masked_fill(values.gather(1, by_id) <= kth, float("-inf"))
-    values, by_value = values.sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(1, by_value)
-    above = (values - log_z).exp()  # 0 past the tokens above the k-th
-    p = to_device(top_p, logits.dtype, dev).unsqueeze(1)
-    kept_above = (above > 0) & (above.cumsum(dim=-1) - above < p)
-    q = (kth - log_z).exp()
-    tied_kept = (p - above.sum(dim=-1, keepdim=True)) / q  # j < this keeps the j-th tied token
-    tied = logits == kth
-    keep = tied & (tied.cumsum(dim=-1, dtype=torch.int32) - 1 < tied_kept)
-    keep = torch.cat([keep, keep.new_zeros(len(ks), 1)], dim=1)  # column `vocab`: where the unkept go
-    keep = keep.scatter_(1, torch.where(kept_above, ids, vocab), True)[:, :vocab]
-    return (logits - log_z).exp().masked_fill(~keep, 0)
+    if any(p < 1 for p in top_p):
+        left = e.masked_fill(cut(x, e), 0).sum(dim=-1, keepdim=True)
+        ranked_e = (ranked - x.amax(dim=-1, keepdim=True)).exp()
+        share = ranked_e.masked_fill(cut(ranked, ranked_e), 0) / left
+        p = to_device(top_p, x.dtype, dev).unsqueeze(1)
+        # Kept: a prefix of the ranking (the top entry always). Its last logit is the threshold,
+        # which keeps that logit's whole group of equals, as if ranked by the group's first entry.
+        kept = (share.cumsum(dim=-1) - share < p) & (share > 0)
+        last = ranked.gather(1, (kept.sum(dim=-1, keepdim=True) - 1).clamp(min=0))
+        tau_p = torch.where(p < 1, last, float("-inf"))
+        tau = tau_p if tau is None else torch.maximum(tau, tau_p)
+    return e.masked_fill(cut(x, e), 0)
 
 
 def draw(probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]]) -> torch.Tensor:
