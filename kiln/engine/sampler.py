@@ -164,7 +164,8 @@ def kept_probs(x: torch.Tensor, min_p: list[float], top_k: list[int], top_p: lis
     than it hold less than top_p of what is left. Tied tokens stand or fall together, so every cut
     keeps the tokens at or above a threshold, and the order a sort gives equal values never matters."""
     dev, vocab = x.device, x.shape[1]
-    e = (x - x.amax(dim=-1, keepdim=True)).exp()
+    top = x.amax(dim=-1, keepdim=True)
+    e = (x - top).exp()
     floor = None
     if any(p > 0 for p in min_p):
         floor = to_device(min_p, x.dtype, dev).unsqueeze(1)
@@ -184,7 +185,7 @@ def kept_probs(x: torch.Tensor, min_p: list[float], top_k: list[int], top_p: lis
 
     if any(p < 1 for p in top_p):
         left = e.masked_fill(cut(x, e), 0).sum(dim=-1, keepdim=True)
-        ranked_e = (ranked - x.amax(dim=-1, keepdim=True)).exp()
+        ranked_e = (ranked - top).exp()
         share = ranked_e.masked_fill(cut(ranked, ranked_e), 0) / left
         p = to_device(top_p, x.dtype, dev).unsqueeze(1)
         # Kept: a prefix of the ranking (the top entry always). Its last logit is the threshold,
