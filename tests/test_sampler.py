@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kiln.engine import sampler
-from kiln.engine.sampler import draw_seed, sample
+from kiln.engine.sampler import sample
 from kiln.engine.sampling_params import SamplingParams
 
 
@@ -23,9 +23,10 @@ def test_top_k_and_top_p_restrict_the_choice():
         assert sample(logits, [SamplingParams(top_p=0.7)], [gen]).item() in (0, 1)
 
 
-@pytest.mark.parametrize("method", ["race", "running sum"])
+@pytest.mark.parametrize("method", ["gumbel", "running sum"])
 def test_sampling_follows_the_distribution(method, monkeypatch):
-    monkeypatch.setattr(sampler, "draw", sampler.race if method == "race" else sampler.draw)
+    if method == "gumbel":  # the GPU's draw: its Triton kernel, interpreted here
+        monkeypatch.setattr(sampler, "draw", sampler.gumbel)
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).repeat(4000, 1)
     tokens = sample(logits, [SamplingParams()] * 4000, [None] * 4000)
     freq = torch.bincount(tokens, minlength=3).float() / 4000
@@ -55,11 +56,11 @@ def test_greedy_tokens_are_torchs_argmax(dtype):
     assert greedy_tokens(x).tolist()[1:] == [0, 100, 7, 0, 4999]
 
 
-def _rules_by_the_book(logits, top_k, top_p, min_p, generator, method):
-    """The sampling rules written plainly over vocabulary ids: min_p drops a token below min_p
-    times the likeliest one's probability; top-k keeps ties with the k-th logit; top-p keeps a token while the tokens with larger logits hold less than top_p of what
-    top-k left; then the draw from the row's generator: the race (one Exp(1) per id from a
-    generator seeded by the row's) or the running sum (one uniform)."""
+def _kept_by_the_book(logits, top_k, top_p, min_p):
+    """The sampling rules written plainly over vocabulary ids, as probabilities (0: cut): min_p
+    drops a token below min_p times the likeliest one's probability; top-k keeps ties with the
+    k-th logit; top-p keeps a token while the tokens with larger logits hold less than top_p of
+    what is left."""
     kept = logits.clone()
     full = logits.softmax(-1)
     kept[full < min_p * full.max()] = float("-inf")
@@ -71,37 +72,43 @@ def _rules_by_the_book(logits, top_k, top_p, min_p, generator, method):
         mass = torch.zeros(len(values)).scatter_add_(0, which, probs)
         larger = mass.flip(0).cumsum(0).flip(0) - mass  # held by the values above each
         probs[larger[which] >= top_p] = 0
-    if method == "race":
-        noise = torch.empty(logits.shape[0]).exponential_(generator=torch.Generator().manual_seed(draw_seed(generator)))
-        return int((probs / noise).argmax())
+    return probs
+
+
+def _running_sum_by_the_book(probs, generator):
     running = probs.double().cumsum(-1)
     return int((running > torch.rand(1, dtype=torch.float64, generator=generator) * running[-1]).nonzero()[0])
 
 
-@pytest.mark.parametrize("method", ["race", "running sum"])
+@pytest.mark.parametrize("method", ["gumbel", "running sum"])
 @pytest.mark.parametrize("coarse", [False, True])
 def test_top_k_and_top_p_draw_what_the_rules_say_with_tied_logits(coarse, method, monkeypatch):
-    """bf16-rounded logits tie often (at the k-th one too), rounded ones in long runs; every
-    seeded draw equals the plain rules' draw from the same generator, alone or batched beside
-    rows that change the batch's largest k or its way of cutting (a row without top-k sorts)."""
-    monkeypatch.setattr(sampler, "draw", sampler.race if method == "race" else sampler.draw)
+    """bf16-rounded logits tie often (at the k-th one too), rounded ones in long runs. The CPU's
+    running sum: every seeded draw equals the plain rules' draw from the same generator. The GPU's
+    Gumbel-max (its Triton kernel, interpreted here): every draw is a token the rules keep. Both:
+    a seeded row draws the same token alone or batched beside rows that change the batch's largest
+    k or its way of cutting (a row without top-k sorts)."""
+    if method == "gumbel":  # the GPU's draw, here on the CPU
+        monkeypatch.setattr(sampler, "draw", sampler.gumbel)
     torch.manual_seed(0)
     logits = (torch.randn(8, 3000) * 3).to(torch.bfloat16).float()
     if coarse:
         logits = (logits / 2).round()
     cases = [(50, 0.95, 0), (50, 1.0, 0), (0, 0.9, 0), (7, 0.5, 0.1), (1000, 0.99, 0.01), (1, 1.0, 0),
              (3, 0.95, 0), (600, 0.3, 0)]
+    kept = [_kept_by_the_book(logits[i], k, p, m) for i, (k, p, m) in enumerate(cases)]
     for seed in range(5):
         params = [SamplingParams(top_k=k, top_p=p, min_p=m, seed=seed) for k, p, m in cases]
-        want = [_rules_by_the_book(logits[i], k, p, m, torch.Generator().manual_seed(seed), method)
-                for i, (k, p, m) in enumerate(cases)]
+        alone = [sample(logits[i:i + 1], [params[i]], [torch.Generator().manual_seed(seed)]).item()
+                 for i in range(len(cases))]
+        if method == "running sum":
+            assert alone == [_running_sum_by_the_book(kept[i], torch.Generator().manual_seed(seed))
+                             for i in range(len(cases))]
+        assert all(kept[i][t] > 0 for i, t in enumerate(alone))
         for rows in (range(8), [0, 1, 3, 4, 5, 6, 7]):  # with a row without top-k, and without one
             rows = list(rows)
             drawn = sample(logits[rows], [params[i] for i in rows], [torch.Generator().manual_seed(seed) for _ in rows])
-            assert drawn.tolist() == [want[i] for i in rows]
-        alone = [sample(logits[i:i + 1], [params[i]], [torch.Generator().manual_seed(seed)]).item()
-                 for i in range(len(cases))]
-        assert alone == want
+            assert drawn.tolist() == [alone[i] for i in rows]
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.999])
@@ -119,4 +126,4 @@ def test_the_running_sum_never_draws_a_token_without_a_share(u, monkeypatch):
     the last token with a share, not the zero-share one after it."""
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full(a[:2] if len(a) > 1 else a, u, dtype=torch.float64))
     probs = torch.tensor([[0.0, 0.0, 0.5, 0.0, 0.3, 0.7, 0.0]])
-    assert sampler.draw(probs, []).item() == (2 if u == 0 else 5)
+    assert sampler._inverse_cdf(probs, [None]).item() == (2 if u == 0 else 5)

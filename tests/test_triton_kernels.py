@@ -186,6 +186,32 @@ def test_argmax_is_torchs(width):
     assert torch.equal(argmax.argmax(x.half()), x.half().argmax(dim=-1))
 
 
+def test_gumbel_argmax_draws_from_the_kept_softmax_by_seed():
+    """Sampling's draw: frequencies follow softmax over the columns at or above each row's threshold
+    (never a column below it), across blocks and the ragged last one; a seed gives the same column
+    whatever rows surround it; the row counters are left at zero."""
+    from kiln.ops.triton import argmax
+
+    width = 4097 + 3
+    x = torch.full((1, width), -30.0, device=DEVICE)
+    x[0, [5, 4096, width - 1]] = torch.tensor([1.0, 0.0, -1.0], device=DEVICE)  # block 0, block 1, last
+    x[0, 7:4000] = -1.01  # just below the threshold: together far likelier than the kept, never drawn
+    rows = 3000
+    draws = argmax.gumbel_argmax(x.expand(rows, width).contiguous(), torch.full((rows,), -1.0, device=DEVICE),
+                                 torch.randint(0, 2**62, (rows,), device=DEVICE))
+    assert not argmax._counters(x.device).any()
+    kept = torch.tensor([5, 4096, width - 1])
+    assert torch.isin(draws.cpu(), kept).all()
+    freq = torch.stack([(draws.cpu() == c).float().mean() for c in kept])
+    torch.testing.assert_close(freq, torch.tensor([1.0, 0.0, -1.0]).softmax(0), atol=0.03, rtol=0)
+    logits, low = randn(4, 300), torch.full((4,), -10.0, device=DEVICE)
+    seeds = torch.tensor([11, 12, 13, 2**62 - 1], device=DEVICE)
+    alone = [argmax.gumbel_argmax(logits[i:i + 1], low[i:i + 1], seeds[i:i + 1]).item() for i in range(4)]
+    assert argmax.gumbel_argmax(logits, low, seeds).tolist() == alone
+    logits[0] = randn(1, 300)[0]  # another row beside rows 1-3
+    assert argmax.gumbel_argmax(logits, low, seeds).tolist()[1:] == alone[1:]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rotary_writes_the_kv_cache_as_rotary_then_write_kv(dtype, poisoned_empty):
     """One launch rotates q and k and writes the rotated k and v at their slots: the same q and k as
@@ -696,9 +722,11 @@ def _compile_all_for_sm90() -> None:
               dict(x_ptr=bf16, residual_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, new_residual_ptr=bf16,
                    x_row_stride=i32, residual_row_stride=i32, out_row_stride=i32, hidden_size=i32, eps=f32),
               dict(BLOCK=4096, UNIT_OFFSET=unit_offset), 16)
-    build(argmax_kernels.argmax_kernel, dict(x_ptr="*fp32", out_ptr="*i64", part_value_ptr="*fp32",
-                                             part_index_ptr="*i32", counter_ptr="*i32", width=i32, x_row_stride=i32),
-          dict(BLOCK=4096, CHUNKS=32), 8)
+    for gumbel in (False, True):
+        build(argmax_kernels.argmax_kernel,
+              dict(x_ptr="*fp32", out_ptr="*i64", part_value_ptr="*fp32", part_index_ptr="*i32", counter_ptr="*i32",
+                   width=i32, x_row_stride=i32, threshold_ptr="*fp32", seed_ptr="*i64"),
+              dict(BLOCK=4096, CHUNKS=32, GUMBEL=gumbel), 8)
     for gelu_tanh in (False, True):
         build(activation.gated_activation_kernel, dict(x_ptr=bf16, out_ptr=bf16, x_row_stride=i32,
                                                        out_row_stride=i32, width=i32),

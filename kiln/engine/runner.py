@@ -285,15 +285,16 @@ class ModelRunner:
         """What a request launches outside the CUDA graphs, once before serving, so that its kernels
         compile (or load) here and not on the first request: a small prefill through the forward
         with the KV cache in place (attention's prefill tiles; its cache writes are skipped, slot -1,
-        and it reads block 0, whatever that holds) and a greedy sample (the Triton argmax, the same
-        kernel for every batch and sampling mode)."""
+        and it reads block 0, whatever that holds) and a greedy and a sampled row (the Triton argmax
+        and its Gumbel variant, each the same kernel for every batch and sampling setting)."""
         n = min(32, self.config.max_num_batched_tokens)
         blocks = torch.zeros(1, -(-n // self.block_size), dtype=torch.int32, device=self.device)
         meta = dataclasses.replace(warm_up_metadata(n, self.device, length=n), block_tables=blocks)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.inference_mode(), set_forward_context(meta, self.kv_caches if kv_caches is None else kv_caches):
             hidden = (forward or self.compiled)(ids, torch.arange(n, device=self.device))
-            sample(self.model.compute_logits(hidden[-1:]), [SamplingParams(temperature=0.0)], [None])
+            sample(self.model.compute_logits(hidden[-1:]).repeat(2, 1),
+                   [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)], [None, None])
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 

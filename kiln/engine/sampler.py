@@ -5,9 +5,9 @@ semantics: logit_bias is added; EOS and stop_token_ids are masked until min_toke
 repetition_penalty divides positive logits (multiplies negative ones) of every token seen in
 the prompt or output; frequency and presence penalties subtract per occurrence and once per
 token of the output. Then greedy rows take the argmax; the others are scaled by temperature,
-cut by min_p, top-k and top-p, and drawn: on the GPU by the exponential race (argmax of
-p / E, E ~ Exp(1) a token), on the CPU by the running sum (one uniform draw a row); a seeded
-row draws from its own generator, so its tokens do not depend on what else is in the batch.
+cut by min_p, top-k and top-p (each cut a threshold on the logits), and drawn: on the GPU by
+Gumbel-max in one launch, on the CPU by the running sum (one uniform draw a row); a seeded row
+draws from its own generator, so its tokens do not depend on what else is in the batch.
 
 Nothing here waits for the GPU (every host value goes up through pinned memory), so the
 engine can prepare its next step while this one runs.
@@ -59,10 +59,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         index = to_device(rows, torch.long, dev)
         scaled = logits.index_select(0, index) / to_device([params[i].temperature for i in rows], logits.dtype,
                                                             dev).unsqueeze(1)
-        kept = kept_probs(scaled, [params[i].min_p for i in rows], [params[i].top_k for i in rows],
-                          [params[i].top_p for i in rows])
-        tokens.index_copy_(0, index, draw(kept, [(j, generators[i]) for j, i in enumerate(rows)
-                                                 if generators[i] is not None]))
+        threshold = cut_threshold(scaled, [params[i].min_p for i in rows], [params[i].top_k for i in rows],
+                                  [params[i].top_p for i in rows])
+        tokens.index_copy_(0, index, draw(scaled, threshold, [generators[i] for i in rows]))
     return tokens
 
 
@@ -157,19 +156,17 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 TOP_K_SELECT_MAX = 1024
 
 
-def kept_probs(x: torch.Tensor, min_p: list[float], top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Each row's probabilities (unnormalised: exp(x - max)) with the tokens min_p, top_k and top_p
-    cut set to 0, in that order. min_p drops a token below min_p times the likeliest one's; top-k
-    keeps the k largest and any tied with the k-th; top-p keeps a token while the tokens more likely
-    than it hold less than top_p of what is left. Tied tokens stand or fall together, so every cut
-    keeps the tokens at or above a threshold, and the order a sort gives equal values never matters."""
+def cut_threshold(x: torch.Tensor, min_p: list[float], top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """[rows, 1]: each row's smallest kept logit (-inf: all) after min_p, top_k and top_p, in that
+    order. min_p drops a token below min_p times the likeliest one's probability; top-k keeps the k
+    largest and any tied with the k-th; top-p keeps a token while the tokens more likely than it
+    hold less than top_p of what is left. Tied tokens stand or fall together, so every cut keeps
+    the tokens at or above a threshold, and the order a sort gives equal values never matters."""
     dev, vocab = x.device, x.shape[1]
     top = x.amax(dim=-1, keepdim=True)
-    e = (x - top).exp()
-    floor = None
-    if any(p > 0 for p in min_p):
-        floor = to_device(min_p, x.dtype, dev).unsqueeze(1)
-    tau = None  # the smallest logit kept, where top-k or top-p cuts
+    tau = torch.full_like(top, float("-inf"))
+    if any(p > 0 for p in min_p):  # p >= min_p * p_max  <=>  x >= max + log(min_p)
+        tau = top + to_device(min_p, x.dtype, dev).unsqueeze(1).log()
     ranked = None  # each row's largest logits, descending: all of them, or topk's picks
     if any(p < 1 for p in top_p) and not all(0 < k <= TOP_K_SELECT_MAX for k in top_k):
         ranked = x.sort(dim=-1, descending=True).values
@@ -177,49 +174,49 @@ def kept_probs(x: torch.Tensor, min_p: list[float], top_k: list[int], top_p: lis
         ranked = x.topk(min(max(top_k), vocab), dim=-1).values
     if any(k > 0 for k in top_k):
         kth = ranked.gather(1, to_device([min(max(k, 1), vocab) - 1 for k in top_k], torch.long, dev).unsqueeze(1))
-        tau = torch.where(to_device([k > 0 for k in top_k], torch.bool, dev).unsqueeze(1), kth, float("-inf"))
-
-    def cut(values: torch.Tensor, ev: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(values, dtype=torch.bool) if tau is None else values < tau
-        return out if floor is None else out | (ev < floor)
-
+        tau = torch.maximum(tau, torch.where(to_device([k > 0 for k in top_k], torch.bool, dev).unsqueeze(1), kth,
+                                             float("-inf")))
     if any(p < 1 for p in top_p):
-        left = e.masked_fill(cut(x, e), 0).sum(dim=-1, keepdim=True)
-        ranked_e = (ranked - top).exp()
-        share = ranked_e.masked_fill(cut(ranked, ranked_e), 0) / left
+        left = (x - top).exp().masked_fill(x < tau, 0).sum(dim=-1, keepdim=True)
+        share = (ranked - top).exp().masked_fill(ranked < tau, 0) / left
         p = to_device(top_p, x.dtype, dev).unsqueeze(1)
         # Kept: a prefix of the ranking (the top entry always). Its last logit is the threshold,
         # which keeps that logit's whole group of equals, as if ranked by the group's first entry.
         kept = (share.cumsum(dim=-1) - share < p) & (share > 0)
         last = ranked.gather(1, (kept.sum(dim=-1, keepdim=True) - 1).clamp(min=0))
-        tau_p = torch.where(p < 1, last, float("-inf"))
-        tau = tau_p if tau is None else torch.maximum(tau, tau_p)
-    return e.masked_fill(cut(x, e), 0)
+        tau = torch.maximum(tau, torch.where(p < 1, last, float("-inf")))
+    return tau
 
 
-def draw(probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]]) -> torch.Tensor:
-    """One token per row of (unnormalised) probabilities; a seeded row's depends on its generator
-    alone, never on the rest of the batch."""
-    return _inverse_cdf(probs, seeded) if probs.device.type == "cpu" else race(probs, seeded)
+def draw(x: torch.Tensor, threshold: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row from softmax(x) over the logits at or above the row's threshold; a row
+    with a generator draws from it alone, so its token does not depend on the rest of the batch."""
+    if x.device.type == "cpu":
+        return _inverse_cdf((x - x.amax(dim=-1, keepdim=True)).exp().masked_fill(x < threshold, 0), generators)
+    return gumbel(x, threshold, generators)
 
 
-def race(probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]]) -> torch.Tensor:
-    """The exponential race: argmax of p / E, E ~ Exp(1) a token. On the GPU the draws cost next to
-    nothing and the argmax is one launch. A seeded row takes a seed from its own (host) generator
-    and draws on the probabilities' device: no host draws of a vocabulary's length."""
-    noise = torch.empty_like(probs).exponential_()
-    for j, generator in seeded:
-        noise[j].exponential_(generator=_device_generator(probs.device, draw_seed(generator)))
-    return greedy_tokens(probs / noise)
+def gumbel(x: torch.Tensor, threshold: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Gumbel-max in one Triton launch (kiln.ops.triton.argmax): the noise is Philox at (the row's
+    seed, the column), so a GPU step draws nothing on the host but a seed a row: one from the row's
+    own generator, or a fresh one."""
+    from kiln.ops.triton.argmax import gumbel_argmax
+
+    seeds = [draw_seed(g) if g is not None else None for g in generators]
+    if any(s is None for s in seeds):
+        fresh = torch.randint(2**62, (len(seeds),)).tolist()
+        seeds = [f if s is None else s for s, f in zip(seeds, fresh)]
+    return gumbel_argmax(x.contiguous(), threshold.reshape(-1), to_device(seeds, torch.long, x.device))
 
 
-def _inverse_cdf(probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]]) -> torch.Tensor:
+def _inverse_cdf(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """The first token whose running sum of probabilities passes u times the row's total, u ~ U[0, 1):
     one draw a row, where the CPU takes ~28 ns an Exp(1) draw (22 ms for 16 x 49,152). Summed in
     fp64 so that a token's share is exact to ~1e-16, not fp32's ~1e-7 at the end of the row."""
     u = torch.rand(probs.shape[0], 1, dtype=torch.float64)
-    for j, generator in seeded:
-        u[j] = torch.rand(1, dtype=torch.float64, generator=generator)
+    for j, generator in enumerate(generators):
+        if generator is not None:
+            u[j] = torch.rand(1, dtype=torch.float64, generator=generator)
     running = probs.double().cumsum(dim=-1)
     # The first sum strictly past u * total (< total for u < 1): never a token without a share.
     # Only a row of NaN (logits pushed to inf by a request's extreme penalties) finds none.
@@ -229,12 +226,3 @@ def _inverse_cdf(probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]])
 
 def draw_seed(generator: torch.Generator) -> int:
     return int(torch.randint(2**62, (1,), generator=generator))
-
-
-_generators: dict[torch.device, torch.Generator] = {}
-
-
-def _device_generator(device: torch.device, seed: int) -> torch.Generator:
-    if device not in _generators:
-        _generators[device] = torch.Generator(device=device)
-    return _generators[device].manual_seed(seed)

@@ -23,14 +23,29 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """x [rows, width] -> int64 [rows]: each row's first index of its largest value."""
     if x.dim() != 2 or x.stride(-1) != 1 or not 0 < x.shape[0] <= MAX_ROWS or x.shape[1] == 0:
         return x.argmax(dim=-1)
+    return _launch(x, None, None)
+
+
+def gumbel_argmax(x: torch.Tensor, threshold: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """x [rows, width] fp32 logits, threshold [rows] fp32, seeds [rows] int64 -> int64 [rows]: per
+    row a draw from softmax(x) over the columns at or above its threshold (Gumbel-max), the noise
+    a function of the row's seed and the column only."""
+    if x.dim() != 2 or x.stride(-1) != 1 or not 0 < x.shape[0] <= MAX_ROWS or x.shape[1] == 0:
+        raise ValueError(f"gumbel_argmax takes 1-{MAX_ROWS} contiguous rows, got {tuple(x.shape)}")
+    return _launch(x, threshold.contiguous(), seeds.contiguous())
+
+
+def _launch(x: torch.Tensor, threshold: torch.Tensor | None, seeds: torch.Tensor | None) -> torch.Tensor:
     rows, width = x.shape
     chunks = triton.next_power_of_2(triton.cdiv(width, BLOCK))
     block = BLOCK if chunks > 1 else max(triton.next_power_of_2(width), 16)
     out = torch.empty(rows, dtype=torch.long, device=x.device)
     part_value = torch.empty(rows * chunks if chunks > 1 else 1, dtype=torch.float32, device=x.device)
     part_index = torch.empty(part_value.shape, dtype=torch.int32, device=x.device)
+    gumbel = threshold is not None
     argmax_kernel[(rows, chunks)](x, out, part_value, part_index, _counters(x.device), width, x.stride(0),
-                                  BLOCK=block, CHUNKS=chunks, num_warps=8 if block >= 4096 else 4)
+                                  threshold if gumbel else x, seeds if gumbel else out,
+                                  BLOCK=block, CHUNKS=chunks, GUMBEL=gumbel, num_warps=8 if block >= 4096 else 4)
     return out
 
 

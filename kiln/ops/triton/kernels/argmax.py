@@ -1,4 +1,5 @@
-"""Row-wise argmax as a Triton kernel (the device code; kiln.ops.triton.argmax launches it)."""
+"""Row-wise argmax as a Triton kernel (the device code; kiln.ops.triton.argmax launches it), and
+with Gumbel noise added to the values a row keeps: a sample."""
 
 import triton
 import triton.language as tl
@@ -6,14 +7,20 @@ import triton.language as tl
 
 @triton.jit
 def argmax_kernel(x_ptr, out_ptr, part_value_ptr, part_index_ptr, counter_ptr, width, x_row_stride,
-                  BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+                  threshold_ptr, seed_ptr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, GUMBEL: tl.constexpr):
     """out[row] = the first index of row's largest value (NaN counts as +inf). A program takes
-    BLOCK columns of a row; the last of a row's CHUNKS programs to finish reduces their partials."""
+    BLOCK columns of a row; the last of a row's CHUNKS programs to finish reduces their partials.
+    GUMBEL: the values below threshold[row] count as -inf and the others get -log(-log(u)) added,
+    u uniform from Philox at (seed[row], column): a draw from softmax(x) over the kept columns
+    that depends on the row's seed alone."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
     x = tl.where(x != x, float("inf"), x)
+    if GUMBEL:
+        u = tl.rand(tl.load(seed_ptr + row), cols)
+        x = tl.where((x >= tl.load(threshold_ptr + row)) & (cols < width), x - tl.log(-tl.log(u)), float("-inf"))
     value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     if CHUNKS == 1:
         tl.store(out_ptr + row, index.to(tl.int64))
