@@ -263,6 +263,26 @@ def check_write_kv() -> dict:
     return {"exact": bool(torch.equal(kernel_cache, reference_cache))}
 
 
+def check_gumbel_draws(rows: int = 20000) -> dict:
+    """Sampling's draw (Gumbel-max in the argmax kernel) on Llama 3's vocabulary: three kept columns
+    in the first, a middle and the ragged last chunk, 60,000 likelier ones just below the threshold;
+    each row its own seed. Frequencies within 0.02 of softmax over the kept, none outside them."""
+    from kiln.ops.triton import argmax
+
+    width, kept = 128256, torch.tensor([5, 70000, 128255])
+    x = torch.full((width,), -30.0, device=DEVICE)
+    x[10:60010] = -1.01
+    x[kept] = torch.tensor([1.0, 0.0, -1.0], device=DEVICE)
+    draws = argmax.gumbel_argmax(x.expand(rows, width).contiguous(), torch.full((rows,), -1.0, device=DEVICE),
+                                 torch.randint(0, 2**62, (rows,), device=DEVICE)).cpu()
+    freq = torch.stack([(draws == c).float().mean() for c in kept])
+    want = torch.tensor([1.0, 0.0, -1.0]).softmax(0)
+    inside = bool(torch.isin(draws, kept).all())
+    return {"rows": rows, "frequencies": freq.tolist(), "expected": want.tolist(), "all_kept": inside,
+            "counters_zero": not bool(argmax._counters(x.device).any()),
+            "ok": inside and bool((freq - want).abs().max() < 0.02) and not argmax._counters(x.device).any()}
+
+
 def check_cuda_graph_replay() -> dict:
     """Capture write + attention once, then replay with other lengths and block tables."""
     first = PagedBatch([(1, n) for n in (5, 60, 300, 2000)], 32, 8, 128, 16, seed=1)
@@ -421,6 +441,9 @@ def print_table(report: dict) -> None:
           f"{'ok' if s['all_ok'] else 'FAIL'}")
     g = report["cuda_graph_replay"]
     print(f"  {'cuda graph replay':<28} rel {g['other_batch']['rel_err']:.2e}  {'ok' if g['ok'] else 'FAIL'}")
+    d = report["gumbel_draws"]
+    print(f"  {'gumbel draws':<28} {' '.join(f'{f:.3f}' for f in d['frequencies'])} (softmax "
+          f"{' '.join(f'{f:.3f}' for f in d['expected'])})  {'ok' if d['ok'] else 'FAIL'}")
     print("\ndecode attention (32/8 heads, D=128, block 16, bf16)   us in graph   us launched   KV GB/s")
     for r in report["timings"]["decode_attention"]:
         print(f"  batch {r['batch']:>3} context {r['context']:>4} splits {r['kv_splits']:>2}"
@@ -441,10 +464,11 @@ def check_and_time_kernels(out_dir) -> dict:
     report["attention_summary"] = summarize_attention(attention, skipped)
     report["attention_checks"] = attention
     report["cuda_graph_replay"] = check_cuda_graph_replay()
+    report["gumbel_draws"] = check_gumbel_draws()
     report["timings"] = {"decode_attention": time_decode_attention(), "elementwise": time_elementwise()}
     report["all_checks_ok"] = (all(r["ok"] for r in report["elementwise_checks"])
                                and report["write_kv_check"]["exact"] and report["attention_summary"]["all_ok"]
-                               and report["cuda_graph_replay"]["ok"])
+                               and report["cuda_graph_replay"]["ok"] and report["gumbel_draws"]["ok"])
     report["seconds"] = time.perf_counter() - start
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
