@@ -127,3 +127,39 @@ def test_the_running_sum_never_draws_a_token_without_a_share(u, monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full(a[:2] if len(a) > 1 else a, u, dtype=torch.float64))
     probs = torch.tensor([[0.0, 0.0, 0.5, 0.0, 0.3, 0.7, 0.0]])
     assert sampler._inverse_cdf(probs, [None]).item() == (2 if u == 0 else 5)
+
+
+@pytest.mark.parametrize("method", ["gumbel", "running sum"])
+def test_rows_without_probabilities_take_their_argmax(method, monkeypatch):
+    """A row of -inf (a grammar allowing only a token min_tokens masks), or one holding inf or NaN
+    (a broken model), draws its argmax on both devices rather than an arbitrary token."""
+    if method == "gumbel":
+        monkeypatch.setattr(sampler, "draw", sampler.gumbel)
+    x = torch.zeros(3, 10)
+    x[0] = float("-inf")
+    x[1, 2] = float("inf")
+    x[2, 4] = float("nan")
+    assert sample(x, [SamplingParams()] * 3, [None] * 3).tolist() == [0, 2, 4]
+
+
+def test_gumbel_draws_past_the_kernels_row_limit(monkeypatch):
+    """A batch larger than the Triton launch's row counters is drawn in slices, not refused."""
+    from kiln.ops.triton import argmax
+
+    monkeypatch.setattr(argmax, "MAX_ROWS", 4)
+    x = torch.full((10, 20), float("-inf"))
+    x[torch.arange(10), torch.arange(10)] = 0.0  # row i keeps only column i
+    drawn = argmax.gumbel_argmax(x, torch.full((10,), -1.0), torch.arange(10))
+    assert drawn.tolist() == list(range(10))
+
+
+def test_a_zero_uniform_does_not_lose_the_only_kept_token(monkeypatch):
+    """Philox can give u = 0 exactly (noise -inf): the row's only kept token must still win."""
+    import triton.language as tl
+
+    rand = tl.rand
+    monkeypatch.setattr(tl, "rand", lambda seed, offsets: tl.where(offsets == 7, 0.0, rand(seed, offsets)))
+    monkeypatch.setattr(sampler, "draw", sampler.gumbel)
+    x = torch.full((1, 20), float("-inf"))
+    x[0, 7] = 2.0
+    assert sample(x, [SamplingParams()], [None]).item() == 7

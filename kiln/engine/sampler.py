@@ -190,9 +190,14 @@ def cut_threshold(x: torch.Tensor, min_p: list[float], top_k: list[int], top_p: 
 
 def draw(x: torch.Tensor, threshold: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row from softmax(x) over the logits at or above the row's threshold; a row
-    with a generator draws from it alone, so its token does not depend on the rest of the batch."""
+    with a generator draws from it alone, so its token does not depend on the rest of the batch
+    (but for torch summing a row in another order at another batch size, which moves a top-p
+    boundary that lies within rounding of a running sum)."""
     if x.device.type == "cpu":
-        return _inverse_cdf((x - x.amax(dim=-1, keepdim=True)).exp().masked_fill(x < threshold, 0), generators)
+        drawn = _inverse_cdf((x - x.amax(dim=-1, keepdim=True)).exp().masked_fill(x < threshold, 0), generators)
+        # A row of -inf, or one holding inf or NaN, has no probabilities: it takes its argmax, as on the GPU.
+        broken = ~(x.amax(dim=-1).isfinite() & ~x.isnan().any(dim=-1))
+        return torch.where(broken, greedy_tokens(x), drawn) if broken.any() else drawn
     return gumbel(x, threshold, generators)
 
 

@@ -30,9 +30,11 @@ def gumbel_argmax(x: torch.Tensor, threshold: torch.Tensor, seeds: torch.Tensor)
     """x [rows, width] fp32 logits, threshold [rows] fp32, seeds [rows] int64 -> int64 [rows]: per
     row a draw from softmax(x) over the columns at or above its threshold (Gumbel-max), the noise
     a function of the row's seed and the column only."""
-    if x.dim() != 2 or x.stride(-1) != 1 or not 0 < x.shape[0] <= MAX_ROWS or x.shape[1] == 0:
-        raise ValueError(f"gumbel_argmax takes 1-{MAX_ROWS} contiguous rows, got {tuple(x.shape)}")
-    return _launch(x, threshold.contiguous(), seeds.contiguous())
+    if x.dim() != 2 or x.stride(-1) != 1 or x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"gumbel_argmax takes rows with contiguous columns, got {tuple(x.shape)}")
+    threshold, seeds = threshold.contiguous(), seeds.contiguous()
+    return torch.cat([_launch(x[i:i + MAX_ROWS], threshold[i:i + MAX_ROWS], seeds[i:i + MAX_ROWS])
+                      for i in range(0, x.shape[0], MAX_ROWS)])
 
 
 def _launch(x: torch.Tensor, threshold: torch.Tensor | None, seeds: torch.Tensor | None) -> torch.Tensor:

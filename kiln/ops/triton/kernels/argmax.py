@@ -19,7 +19,8 @@ def argmax_kernel(x_ptr, out_ptr, part_value_ptr, part_index_ptr, counter_ptr, w
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
     x = tl.where(x != x, float("inf"), x)
     if GUMBEL:
-        u = tl.rand(tl.load(seed_ptr + row), cols)
+        # rand can return exactly 0: its noise, -inf, would lose a row's only kept column to column 0.
+        u = tl.maximum(tl.rand(tl.load(seed_ptr + row), cols), 1e-12)
         x = tl.where((x >= tl.load(threshold_ptr + row)) & (cols < width), x - tl.log(-tl.log(u)), float("-inf"))
     value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     if CHUNKS == 1:
