@@ -194,9 +194,10 @@ def draw(x: torch.Tensor, threshold: torch.Tensor, generators: list[torch.Genera
     (but for torch summing a row in another order at another batch size, which moves a top-p
     boundary that lies within rounding of a running sum)."""
     if x.device.type == "cpu":
-        drawn = _inverse_cdf((x - x.amax(dim=-1, keepdim=True)).exp().masked_fill(x < threshold, 0), generators)
+        top = x.amax(dim=-1, keepdim=True)  # NaN where the row holds one
+        drawn = _inverse_cdf((x - top).exp().masked_fill(x < threshold, 0), generators)
         # A row of -inf, or one holding inf or NaN, has no probabilities: it takes its argmax, as on the GPU.
-        broken = ~(x.amax(dim=-1).isfinite() & ~x.isnan().any(dim=-1))
+        broken = ~top.squeeze(1).isfinite()
         return torch.where(broken, greedy_tokens(x), drawn) if broken.any() else drawn
     return gumbel(x, threshold, generators)
 
@@ -207,7 +208,7 @@ def gumbel(x: torch.Tensor, threshold: torch.Tensor, generators: list[torch.Gene
     own generator, or a fresh one."""
     from kiln.ops.triton.argmax import gumbel_argmax
 
-    seeds = [draw_seed(g) if g is not None else None for g in generators]
+    seeds = [_draw_seed(g) if g is not None else None for g in generators]
     if any(s is None for s in seeds):
         fresh = torch.randint(2**62, (len(seeds),)).tolist()
         seeds = [f if s is None else s for s, f in zip(seeds, fresh)]
@@ -224,10 +225,8 @@ def _inverse_cdf(probs: torch.Tensor, generators: list[torch.Generator | None]) 
             u[j] = torch.rand(1, dtype=torch.float64, generator=generator)
     running = probs.double().cumsum(dim=-1)
     # The first sum strictly past u * total (< total for u < 1): never a token without a share.
-    # Only a row of NaN (logits pushed to inf by a request's extreme penalties) finds none.
-    picked = torch.searchsorted(running, u * running[:, -1:], right=True).squeeze(1)
-    return picked.clamp_(max=probs.shape[1] - 1)
+    return torch.searchsorted(running, u * running[:, -1:], right=True).squeeze(1)
 
 
-def draw_seed(generator: torch.Generator) -> int:
+def _draw_seed(generator: torch.Generator) -> int:
     return int(torch.randint(2**62, (1,), generator=generator))

@@ -33,6 +33,8 @@ def gumbel_argmax(x: torch.Tensor, threshold: torch.Tensor, seeds: torch.Tensor)
     if x.dim() != 2 or x.stride(-1) != 1 or x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"gumbel_argmax takes rows with contiguous columns, got {tuple(x.shape)}")
     threshold, seeds = threshold.contiguous(), seeds.contiguous()
+    if x.shape[0] <= MAX_ROWS:
+        return _launch(x, threshold, seeds)
     return torch.cat([_launch(x[i:i + MAX_ROWS], threshold[i:i + MAX_ROWS], seeds[i:i + MAX_ROWS])
                       for i in range(0, x.shape[0], MAX_ROWS)])
 
