@@ -283,6 +283,40 @@ def check_gumbel_draws(rows: int = 20000) -> dict:
             "ok": inside and bool((freq - want).abs().max() < 0.02) and not argmax._counters(x.device).any()}
 
 
+def check_sampling_graphs(bucket: int = 64) -> dict:
+    """The engine's sampling CUDA graph (kiln.engine.sampling_graphs) against the eager sampler on
+    the same logits, settings and seeds: two batches with the same cuts but other temperatures, k,
+    p and seeds replay one graph; every row sampled (the eager sampler's shapes are then the
+    graph's: tokens must be equal), then a batch with greedy rows and padding (greedy rows must be
+    the argmax; sampled rows may differ only where a sum rounds otherwise over fewer rows)."""
+    from kiln.engine.sampler import sample
+    from kiln.engine.sampling_graphs import SamplingGraphs
+    from kiln.engine.sampling_params import SamplingParams
+    from kiln.ops.triton.argmax import argmax
+
+    logits = torch.empty(bucket, 128256, device=DEVICE)  # a forward graph's output: one address
+    graphs = SamplingGraphs(bucket, torch.device(DEVICE))
+    report, ok = {}, True
+    for name, temperature, k, p, n in (("A", 0.7, 40, 0.9, bucket), ("B", 1.1, 200, 0.8, bucket),
+                                       ("mixed", 0.9, 50, 0.95, bucket - 4)):
+        logits.copy_(torch.randn(bucket, 128256, device=DEVICE) * 3)
+        greedy = argmax(logits)
+        params = [SamplingParams(temperature=0.0) if name == "mixed" and i % 3 == 0 else
+                  SamplingParams(temperature=temperature, top_k=k + i, top_p=p, min_p=0.01 * (i % 2), seed=i)
+                  for i in range(n)]
+        gens = [[torch.Generator().manual_seed(1000 + i) for i in range(n)] for _ in range(2)]
+        in_graph = graphs.sample(logits, greedy, params, gens[0]).cpu()
+        eager = sample(logits[:n], params, gens[1]).cpu()
+        same = int((in_graph == eager).sum())
+        greedy_ok = all(int(in_graph[i]) == int(greedy[i]) for i in range(n) if params[i].greedy)
+        row_ok = same == n if name != "mixed" else same >= 0.95 * n and greedy_ok
+        report[name] = {"rows": n, "equal_to_eager": same, "greedy_rows_ok": greedy_ok, "ok": row_ok}
+        ok = ok and row_ok
+    report["graphs"] = len(graphs.graphs)
+    report["ok"] = ok and len(graphs.graphs) == 1
+    return report
+
+
 def check_cuda_graph_replay() -> dict:
     """Capture write + attention once, then replay with other lengths and block tables."""
     first = PagedBatch([(1, n) for n in (5, 60, 300, 2000)], 32, 8, 128, 16, seed=1)
@@ -444,6 +478,10 @@ def print_table(report: dict) -> None:
     d = report["gumbel_draws"]
     print(f"  {'gumbel draws':<28} {' '.join(f'{f:.3f}' for f in d['frequencies'])} (softmax "
           f"{' '.join(f'{f:.3f}' for f in d['expected'])})  {'ok' if d['ok'] else 'FAIL'}")
+    g = report["sampling_graphs"]
+    print(f"  {'sampling graphs':<28} " + ", ".join(f"{k} {g[k]['equal_to_eager']}/{g[k]['rows']} as eager"
+                                                   for k in ("A", "B", "mixed"))
+          + f"; {g['graphs']} graph  {'ok' if g['ok'] else 'FAIL'}")
     print("\ndecode attention (32/8 heads, D=128, block 16, bf16)   us in graph   us launched   KV GB/s")
     for r in report["timings"]["decode_attention"]:
         print(f"  batch {r['batch']:>3} context {r['context']:>4} splits {r['kv_splits']:>2}"
@@ -465,10 +503,11 @@ def check_and_time_kernels(out_dir) -> dict:
     report["attention_checks"] = attention
     report["cuda_graph_replay"] = check_cuda_graph_replay()
     report["gumbel_draws"] = check_gumbel_draws()
+    report["sampling_graphs"] = check_sampling_graphs()
     report["timings"] = {"decode_attention": time_decode_attention(), "elementwise": time_elementwise()}
     report["all_checks_ok"] = (all(r["ok"] for r in report["elementwise_checks"])
                                and report["write_kv_check"]["exact"] and report["attention_summary"]["all_ok"]
-                               and report["cuda_graph_replay"]["ok"] and report["gumbel_draws"]["ok"])
+                               and report["cuda_graph_replay"]["ok"] and report["gumbel_draws"]["ok"] and report["sampling_graphs"]["ok"])
     report["seconds"] = time.perf_counter() - start
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

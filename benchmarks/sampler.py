@@ -8,7 +8,9 @@ greedy decoding and with chat-style sampling (temperature 0.8, top-k 50, top-p 0
 alone (0.95, as OpenAI clients send it) and top-k alone (50); unseeded, and with every row
 seeded (a host generator per row). Mean milliseconds per call, CUDA-event timed on the GPU.
 Beside them the primitives a sampler is built from, on the same logits (sorts, topk, softmax,
-cumsum, Exp(1) draws), to say where its time goes.
+cumsum, Exp(1) draws), to say where its time goes. On the GPU also the engine's sampling CUDA
+graph (kiln.engine.sampling_graphs: host settings and seeds, then one replay) and its replay
+alone (the GPU time a decode step spends sampling).
 JSON to --out/sampler_<device>[_<tag>].json.
 """
 
@@ -21,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from kiln.engine.sampler import sample
+from kiln.engine.sampler import greedy_tokens, sample
+from kiln.engine.sampling_graphs import SamplingGraphs
 from kiln.engine.sampling_params import SamplingParams
 
 SETTINGS = {
@@ -79,8 +82,17 @@ def main() -> None:
                 params = [SamplingParams(**settings, seed=7 if seeded else None)] * batch
                 gens = [torch.Generator().manual_seed(7) if seeded else None for _ in range(batch)]
                 ms = time_ms(lambda: sample(logits, params, gens), args.device, args.calls)
-                rows.append({"batch": batch, "sampling": name, "seeded": seeded, "ms": ms})
-                print(f"b{batch:<4d} {name:28s} {'seeded' if seeded else '':7s} {ms:8.3f} ms", flush=True)
+                row = {"batch": batch, "sampling": name, "seeded": seeded, "ms": ms}
+                if args.device == "cuda" and name != "greedy":
+                    graphs = SamplingGraphs(batch, logits.device)
+                    greedy = greedy_tokens(logits)
+                    row["graph_ms"] = time_ms(lambda: graphs.sample(logits, greedy, params, gens), "cuda", args.calls)
+                    (graph, _), = graphs.graphs.values()
+                    row["replay_ms"] = time_ms(graph.replay, "cuda", args.calls)
+                rows.append(row)
+                print(f"b{batch:<4d} {name:28s} {'seeded' if seeded else '':7s} {ms:8.3f} ms" +
+                      (f"   in a graph {row['graph_ms']:.3f} ms (replay {row['replay_ms']:.3f})"
+                       if "graph_ms" in row else ""), flush=True)
         for name, fn in PRIMITIVES.items():
             ms = time_ms(lambda: fn(logits), args.device, args.calls)
             rows.append({"batch": batch, "primitive": name, "ms": ms})

@@ -109,6 +109,59 @@ def test_top_k_and_top_p_draw_what_the_rules_say_with_tied_logits(coarse, method
             assert drawn.tolist() == [alone[i] for i in rows]
 
 
+def test_the_graph_program_draws_what_the_sampler_draws(monkeypatch):
+    """sample_rows (what a decode step's sampling CUDA graph captures: every row's settings and
+    seed in tensors, greedy rows and padding among them, topk at the GPU's fixed width) against
+    sample() with the Gumbel draw (interpreted here) on the same tied logits: the same tokens, the
+    same seeds consumed; greedy and padding rows take the argmax they are given."""
+    monkeypatch.setattr(sampler, "draw", sampler.gumbel)
+    torch.manual_seed(1)
+    logits = (torch.randn(10, 3000) * 3).to(torch.bfloat16).float()
+    cases = [(50, 0.95, 0), (0, 1.0, 0), (0, 0.9, 0.05), (7, 0.5, 0.1), (1000, 0.99, 0.01), (1, 1.0, 0),
+             (600, 0.3, 0)]
+    params = [SamplingParams(top_k=k, top_p=p, min_p=m, temperature=0.5 + i / 10, seed=i)
+              for i, (k, p, m) in enumerate(cases)]
+    params.insert(2, SamplingParams(temperature=0.0, top_p=0.5, seed=99))  # greedy: cuts nothing
+    n = len(params)  # rows n.. are padding
+    for seed in range(3):
+        gens = [[torch.Generator().manual_seed(seed * 100 + i) for i in range(n)] for _ in range(2)]
+        eager = sample(logits[:n], params, gens[0])
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        seeds = torch.zeros(10, dtype=torch.long)
+        seeds[sampled] = torch.tensor(sampler.seeds_of([gens[1][i] for i in sampled]))
+        settings = sampler.settings_of(params + [SamplingParams(temperature=0.0)] * (10 - n))
+        greedy = sampler.greedy_tokens(logits)
+        cuts = sampler.Cuts.of(params, torch.device("cuda"))
+        assert cuts.picks == 0 and cuts.sort  # a row with top-p and no top-k
+        in_graph = sampler.sample_rows(logits, greedy, settings, seeds, cuts)
+        assert in_graph[:n].tolist() == eager.tolist()
+        assert in_graph[n:].tolist() == greedy[n:].tolist()
+        assert [g.initial_seed() for g in gens[0]] == [g.initial_seed() for g in gens[1]]
+        assert [int(torch.randint(9, (1,), generator=g)) for g in gens[0]] == \
+            [int(torch.randint(9, (1,), generator=g)) for g in gens[1]]
+    without_sort = [p for p in params if p.top_k > 0 or p.top_p == 1]
+    assert sampler.Cuts.of(without_sort, torch.device("cuda")).picks == sampler.TOP_K_SELECT_MAX
+    assert sampler.Cuts.of(without_sort, torch.device("cpu")).picks == 1000
+
+
+def test_the_fixed_topk_width_cuts_where_the_batchs_largest_k_does():
+    """The GPU ranks TOP_K_SELECT_MAX logits whatever the batch's k (one program for every batch),
+    the CPU the batch's largest k: the same thresholds, ties at the k-th and at the top-p edge too."""
+    torch.manual_seed(2)
+    logits = ((torch.randn(6, 5000) * 3).to(torch.bfloat16).float() / 2).round()
+    params = [SamplingParams(top_k=k, top_p=p, min_p=m) for k, p, m in
+              ((5, 1.0, 0), (50, 0.9, 0), (300, 0.99, 0.02), (1, 0.5, 0), (1024, 0.95, 0), (2, 1.0, 0.5))]
+    for extra in ([], [SamplingParams(top_k=2000)], [SamplingParams()]):  # past the width: the GPU sorts
+        rows = params + extra
+        _, min_p, top_p, top_k, _ = sampler.settings_of(rows).unsqueeze(-1)
+        gpu, cpu = (sampler.Cuts.of(rows, torch.device(d)) for d in ("cuda", "cpu"))
+        assert (gpu.sort, gpu.picks, cpu.picks) == ((True, 0, 2000) if extra and extra[0].top_k else
+                                                     (False, sampler.TOP_K_SELECT_MAX, 1024))
+        x = logits[: len(rows)] if len(rows) <= 6 else torch.cat([logits, logits[:1] - 1])
+        assert torch.equal(sampler.cut_threshold(x, gpu, min_p, top_k, top_p),
+                           sampler.cut_threshold(x, cpu, min_p, top_k, top_p))
+
+
 @pytest.mark.parametrize("top_p", [1.0, 0.999])
 def test_top_k_keeps_the_logits_tied_with_the_kth(top_p):
     logits = torch.full((1, 50), -10.0)

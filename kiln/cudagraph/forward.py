@@ -88,6 +88,12 @@ class ForwardCudagraphs:
             hidden = graph.replay()
         return hidden, self.head(hidden) if decode else None
 
+    def head_in_graph(self, choice: CudagraphChoice) -> bool:
+        """Whether this step's head outputs come from a full graph's replay: the same addresses
+        every step of its bucket."""
+        return (choice.phase == "decode" and choice.mode == "full" and self.head is not None
+                and (choice.phase, choice.bucket) in self.graphs)
+
     # ------------------------------------------------------------------ capture
 
     def capture_all(self, kv_caches: dict[str, torch.Tensor]) -> dict:

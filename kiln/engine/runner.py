@@ -24,7 +24,8 @@ from kiln.compile.triton_precompile import KernelCompiler, MissingKernels, trito
 from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
 from kiln.cudagraph import CudagraphChoice, CudagraphDispatcher, ForwardCudagraphs, PackedStep, StepBuffers
 from kiln.engine.logprobs import Logprob, TokenLogprobs
-from kiln.engine.sampler import RowHistory, greedy_tokens, needs_history, sample, to_device
+from kiln.engine.sampler import RowHistory, greedy_tokens, needs_history, plain, sample, to_device
+from kiln.engine.sampling_graphs import SamplingGraphs
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
@@ -202,6 +203,9 @@ class ModelRunner:
                         -(-self.max_model_len // self.block_size), self.device),
             self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug,
             head=self._decode_head)
+        # Sampled decode steps replay a graph per (bucket, cuts) after the forward's (captured when first needed).
+        self.sampling_graphs = SamplingGraphs(config.max_num_seqs, self.device) \
+            if self.device.type == "cuda" and dispatcher.decode.mode == "full" else None
         with recorder or contextlib.nullcontext():
             # Not under tensor parallelism: the recorded runs all-reduce, so every rank would have to
             # make the same runs, and whether a rank's kernels are in the cache is its own affair.
@@ -453,7 +457,11 @@ class ModelRunner:
             self._in_flight = None
             return LaunchedStep.of([], torch.empty(0, dtype=torch.long, device=self.device), None, prompt_logprobs)
         greedy = None
+        params = [s.params for s in seqs]
         if step.sample_rows == list(range(len(seqs))):  # a decode batch samples every row
+            if head is not None and self._sample_in_graph(step, params):
+                tokens = self.sampling_graphs.sample(*head, params, [s.generator for s in seqs])
+                return self._launched(seqs, head[0][: len(seqs)], tokens, prompt_logprobs)
             if head is not None:
                 logits, greedy = (t[: len(seqs)] for t in head)
             else:
@@ -461,7 +469,6 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(
                 hidden.index_select(0, to_device(step.sample_rows, torch.long, self.device)))
-        params = [s.params for s in seqs]
         history = [self._history(s) for s in seqs] if any(needs_history(p) for p in params) else None
         in_flight = self._in_flight[0] if self._in_flight is not None else None
         matchers = [s.matcher for s in seqs]
@@ -470,6 +477,17 @@ class ModelRunner:
             allowed = token_bitmask(matchers, logits.shape[1])
             allowed = allowed.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else allowed
         tokens = sample(logits, params, [s.generator for s in seqs], history, in_flight, allowed, greedy)
+        return self._launched(seqs, logits, tokens, prompt_logprobs)
+
+    def _sample_in_graph(self, step: StepInputs, params: list) -> bool:
+        """A decode step whose head ran in its full graph, with a sampled row and every row plain."""
+        return (self.sampling_graphs is not None and self.cudagraphs.head_in_graph(step.cudagraph)
+                and any(not p.greedy for p in params) and all(plain(p) for p in params)
+                and all(s.matcher is None for s in step.sample_seqs))
+
+    def _launched(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor,
+                  prompt_logprobs: list) -> "LaunchedStep":
+        params = [s.params for s in seqs]
         logprobs = None
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:

@@ -56,17 +56,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         dev = logits.device
+        chosen = [params[i] for i in rows]
         index = to_device(rows, torch.long, dev)
-        scaled = logits.index_select(0, index) / to_device([params[i].temperature for i in rows], logits.dtype,
-                                                            dev).unsqueeze(1)
-        threshold = cut_threshold(scaled, [params[i].min_p for i in rows], [params[i].top_k for i in rows],
-                                  [params[i].top_p for i in rows])
+        temperature, min_p, top_p, top_k, _ = _host_to(settings_of(chosen), dev).unsqueeze(-1)
+        scaled = logits.index_select(0, index) / temperature
+        threshold = cut_threshold(scaled, Cuts.of(chosen, dev), min_p, top_k, top_p)
         tokens.index_copy_(0, index, draw(scaled, threshold, [generators[i] for i in rows]))
     return tokens
 
 
 def needs_history(params: SamplingParams) -> bool:
     return params.has_penalties or params.min_tokens > 0
+
+
+def plain(params: SamplingParams) -> bool:
+    """Whether a row's logits go to the cuts as the model made them (no logit_bias, penalties or
+    min_tokens): what a fixed program, such as a CUDA graph's, can sample."""
+    return not params.logit_bias and not needs_history(params)
 
 
 def apply_controls(logits: torch.Tensor, params: list[SamplingParams], history: list[RowHistory] | None,
@@ -105,7 +111,7 @@ def _penalise(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
     out = torch.full((len(rows), width), vocab, dtype=torch.long)
     for j, i in enumerate(rows):
         out[j, : len(history[i].output)] = torch.tensor(history[i].output, dtype=torch.long)
-    out = out.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else out
+    out = _host_to(out, dev)
     pending = [(j, history[i].pending) for j, i in enumerate(rows) if history[i].pending is not None]
     if pending:
         where = to_device([j for j, _ in pending], torch.long, dev)
@@ -120,7 +126,7 @@ def _penalise(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
         prompt = torch.full((len(rows), width), vocab, dtype=torch.long)
         for j, i in enumerate(rows):
             prompt[j, : len(history[i].prompt)] = torch.tensor(history[i].prompt, dtype=torch.long)
-        prompt = prompt.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else prompt
+        prompt = _host_to(prompt, dev)
         seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev)
         seen.scatter_(1, prompt, True)
         seen = seen[:, :vocab] | (counts > 0)
@@ -143,49 +149,106 @@ def greedy_tokens(x: torch.Tensor) -> torch.Tensor:
     return argmax(x)
 
 
+def _host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list on `device` without waiting for the GPU: a plain copy from pageable memory
     synchronises the stream; one from pinned memory is queued (torch keeps the staging alive
     until it has run)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+    return _host_to(torch.tensor(values, dtype=dtype), device)
 
 
 # Up to this top_k, the tokens top-p ranks are topk's picks; past it (or without top-k) the row is sorted.
 TOP_K_SELECT_MAX = 1024
+# What settings_of holds for each row, in this order.
+SETTINGS = ("temperature", "min_p", "top_p", "top_k", "greedy")
 
 
-def cut_threshold(x: torch.Tensor, min_p: list[float], top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """[rows, 1]: each row's smallest kept logit (-inf: all) after min_p, top_k and top_p, in that
-    order. min_p drops a token below min_p times the likeliest one's probability; top-k keeps the k
-    largest and any tied with the k-th; top-p keeps a token while the tokens more likely than it
-    hold less than top_p of what is left. Tied tokens stand or fall together, so every cut keeps
-    the tokens at or above a threshold, and the order a sort gives equal values never matters."""
-    dev, vocab = x.device, x.shape[1]
+def settings_of(params: list[SamplingParams]) -> torch.Tensor:
+    """[len(SETTINGS), rows] fp32 on the host. A greedy row holds the values that cut nothing
+    (temperature 1, min_p 0, top_p 1, top_k 0) and greedy 1; top_k is 0 where off (fp32 holds it
+    exactly)."""
+    return torch.tensor([[1.0, 0.0, 1.0, 0.0, 1.0] if p.greedy else
+                         [p.temperature, p.min_p, p.top_p, max(p.top_k, 0), 0.0] for p in params],
+                        dtype=torch.float32).reshape(-1, len(SETTINGS)).T.contiguous()
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """The cuts a batch's sampled rows go through, and how they are ranked: one program for every
+    row (a row a cut does not apply to holds the value that keeps every token), so a CUDA graph
+    captured for one batch's Cuts samples any other batch with the same."""
+
+    min_p: bool
+    top_k: bool
+    top_p: bool
+    sort: bool  # rank whole rows
+    picks: int  # otherwise, where top-k or top-p applies: how many largest logits topk ranks
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device: torch.device) -> "Cuts":
+        """Of the batch's sampled rows (a greedy row cuts nothing). On the GPU topk always picks
+        TOP_K_SELECT_MAX: its cost hardly moves with k (b256: topk 50 0.48 ms, 1024 0.50 on the
+        H200), and one width keeps a graph's program the same for every k; the CPU's grows with k
+        (b16 x 49,152: 5.5 -> 14.8 ms), so it picks the batch's largest k."""
+        params = [p for p in params if not p.greedy]
+        top_k, top_p = any(p.top_k > 0 for p in params), any(p.top_p < 1 for p in params)
+        # A row whose top-p may reach past the picks, or (at the GPU's fixed width) whose k does.
+        sort = any(p.top_p < 1 and not 0 < p.top_k <= TOP_K_SELECT_MAX for p in params) or \
+            (device.type == "cuda" and any(p.top_k > TOP_K_SELECT_MAX for p in params))
+        picks = 0 if sort or not (top_k or top_p) else \
+            TOP_K_SELECT_MAX if device.type == "cuda" else max(p.top_k for p in params)
+        return cls(min_p=any(p.min_p > 0 for p in params), top_k=top_k, top_p=top_p, sort=sort, picks=picks)
+
+
+def cut_threshold(x: torch.Tensor, cuts: Cuts, min_p: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """[rows, 1]: each row's smallest kept logit (-inf: all) after min_p, top_k and top_p ([rows, 1]
+    each, on x's device), in that order. min_p drops a token below min_p times the likeliest one's
+    probability; top-k keeps the k largest and any tied with the k-th; top-p keeps a token while
+    the tokens more likely than it hold less than top_p of what is left. Tied tokens stand or fall
+    together, so every cut keeps the tokens at or above a threshold, and the order a sort gives
+    equal values never matters. Nothing here depends on the values but through tensors: the same
+    launches for every batch with these `cuts`."""
     top = x.amax(dim=-1, keepdim=True)
     tau = torch.full_like(top, float("-inf"))
-    if any(p > 0 for p in min_p):  # p >= min_p * p_max  <=>  x >= max + log(min_p)
-        tau = top + to_device(min_p, x.dtype, dev).unsqueeze(1).log()
+    if cuts.min_p:  # p >= min_p * p_max  <=>  x >= max + log(min_p); log(0) = -inf keeps all
+        tau = top + min_p.log()
     ranked = None  # each row's largest logits, descending: all of them, or topk's picks
-    if any(p < 1 for p in top_p) and not all(0 < k <= TOP_K_SELECT_MAX for k in top_k):
+    if cuts.sort:
         ranked = x.sort(dim=-1, descending=True).values
-    elif any(k > 0 for k in top_k):
-        ranked = x.topk(min(max(top_k), vocab), dim=-1).values
-    if any(k > 0 for k in top_k):
-        kth = ranked.gather(1, to_device([min(max(k, 1), vocab) - 1 for k in top_k], torch.long, dev).unsqueeze(1))
-        tau = torch.maximum(tau, torch.where(to_device([k > 0 for k in top_k], torch.bool, dev).unsqueeze(1), kth,
-                                             float("-inf")))
-    if any(p < 1 for p in top_p):
+    elif cuts.picks:
+        ranked = x.topk(min(cuts.picks, x.shape[1]), dim=-1).values
+    if cuts.top_k:
+        k = top_k.long()
+        kth = ranked.gather(1, k.clamp(1, ranked.shape[1]) - 1)
+        tau = torch.maximum(tau, torch.where(k > 0, kth, float("-inf")))
+    if cuts.top_p:
         left = (x - top).exp().masked_fill(x < tau, 0).sum(dim=-1, keepdim=True)
         share = (ranked - top).exp().masked_fill(ranked < tau, 0) / left
-        p = to_device(top_p, x.dtype, dev).unsqueeze(1)
         # Kept: a prefix of the ranking (the top entry always). Its last logit is the threshold,
         # which keeps that logit's whole group of equals, as if ranked by the group's first entry.
-        kept = (share.cumsum(dim=-1) - share < p) & (share > 0)
+        kept = (share.cumsum(dim=-1) - share < top_p) & (share > 0)
         last = ranked.gather(1, (kept.sum(dim=-1, keepdim=True) - 1).clamp(min=0))
-        tau = torch.maximum(tau, torch.where(p < 1, last, float("-inf")))
+        tau = torch.maximum(tau, torch.where(top_p < 1, last, float("-inf")))
     return tau
+
+
+def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, settings: torch.Tensor, seeds: torch.Tensor,
+                cuts: Cuts) -> torch.Tensor:
+    """A whole batch sampled on the GPU with no host value but through tensors (what a decode
+    step's sampling CUDA graph captures): logits [rows, vocab] fp32, greedy [rows] their argmax,
+    settings [len(SETTINGS), rows] (settings_of, on the device), seeds [rows] int64 (seeds_of;
+    any value for a greedy row) -> int64 [rows]. A row's token is what sample() draws for it with
+    the same seed, but for rounding: its sums run over this batch's rows, not only the sampled."""
+    from kiln.ops.triton.argmax import gumbel_argmax
+
+    temperature, min_p, top_p, top_k, is_greedy = settings.unsqueeze(-1)
+    scaled = logits / temperature
+    drawn = gumbel_argmax(scaled, cut_threshold(scaled, cuts, min_p, top_k, top_p).reshape(-1), seeds)
+    return torch.where(is_greedy.squeeze(1) > 0, greedy, drawn)
 
 
 def draw(x: torch.Tensor, threshold: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -208,11 +271,16 @@ def gumbel(x: torch.Tensor, threshold: torch.Tensor, generators: list[torch.Gene
     own generator, or a fresh one."""
     from kiln.ops.triton.argmax import gumbel_argmax
 
+    return gumbel_argmax(x.contiguous(), threshold.reshape(-1), to_device(seeds_of(generators), torch.long, x.device))
+
+
+def seeds_of(generators: list[torch.Generator | None]) -> list[int]:
+    """One Philox seed a sampled row: drawn from the row's own generator, or from the host's."""
     seeds = [_draw_seed(g) if g is not None else None for g in generators]
     if any(s is None for s in seeds):
         fresh = torch.randint(2**62, (len(seeds),)).tolist()
         seeds = [f if s is None else s for s, f in zip(seeds, fresh)]
-    return gumbel_argmax(x.contiguous(), threshold.reshape(-1), to_device(seeds, torch.long, x.device))
+    return seeds
 
 
 def _inverse_cdf(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
