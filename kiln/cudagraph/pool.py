@@ -52,11 +52,13 @@ class CudagraphPool:
         self.capture_s = 0.0
 
     @contextlib.contextmanager
-    def session(self):
+    def session(self, collect: bool = True):
         """Around all captures of a start-up: one garbage collection before the first graph,
         none after (a collection during a capture could free memory a captured kernel uses;
-        one before each capture would cost a full heap walk, ~0.1 s with compilers loaded)."""
-        gc.collect()
+        one before each capture would cost a full heap walk, ~0.1 s with compilers loaded).
+        collect=False: no collection before (a capture while serving), none during either."""
+        if collect:
+            gc.collect()
         was_enabled = gc.isenabled()
         gc.disable()
         try:

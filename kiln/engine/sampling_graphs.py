@@ -65,7 +65,7 @@ class SamplingGraphs:
         bucket = logits.shape[0]
         settings, seeds = self.settings[:, :bucket], self.seeds[:bucket]
         start = time.perf_counter()
-        with self.pool.capturing():
+        with self.pool.session(collect=False), self.pool.capturing():
             # One ordinary run first: Triton compiles, torch's sort and topk size their workspace.
             sample_rows(logits, greedy, settings, seeds, cuts)
             graph = self.pool.begin()
