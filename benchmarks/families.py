@@ -52,6 +52,24 @@ def greedy(llm: LLM, args) -> tuple[list[list[int]], list[dict]]:
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs[0] for o in outs]
 
 
+def sampled_in_graph_vs_eager(llm: LLM, args) -> str:
+    """Seeded chat sampling of 4 random prompts with the decode steps' sampling CUDA graphs, then
+    with the eager sampler (the runner's graphs switched off), in one engine: the same forward
+    graphs, so the logits are the same bits and the tokens must be equal."""
+    gen = torch.Generator().manual_seed(4)
+    vocab = llm.engine.source.config.vocab_size
+    prompts = [torch.randint(0, vocab, (20 + 7 * i,), generator=gen).tolist() for i in range(4)]
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.8, top_k=50, top_p=0.95, seed=11, ignore_eos=True)
+    runner, runs = llm.engine.runner, []
+    graphs = runner.sampling_graphs
+    for use in (graphs, None):
+        runner.sampling_graphs = use
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    runner.sampling_graphs = graphs
+    same = sum(a == b for a, b in zip(*runs))
+    return f"{'equal' if same == len(prompts) else 'DIFFER'} ({same}/{len(prompts)} requests; {len(graphs.graphs)} graphs)"
+
+
 def logprob_diff(a: list[dict], b: list[dict]) -> float:
     """Largest difference of a first token's log probability, over the tokens both top-5s name."""
     return max(abs(x[t].logprob - y[t].logprob) for x, y in zip(a, b) for t in x.keys() & y.keys())
@@ -73,6 +91,9 @@ def greedy_tokens(preset: str, args, mode: str) -> tuple[tuple[list[list[int]], 
               compilation_config=TOKEN_ENGINES[mode])
     startup = time.perf_counter() - start
     tokens = greedy(llm, args)
+    if mode == "default" and llm.engine.runner.sampling_graphs is not None:
+        print(f"{preset:12s} seeded sampled tokens, decode sampling in graphs against the eager sampler: "
+              f"{sampled_in_graph_vs_eager(llm, args)}", flush=True)
     llm.shutdown()
     del llm
     release_memory(args.device)

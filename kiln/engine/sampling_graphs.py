@@ -34,7 +34,8 @@ class SamplingGraphs:
     def __init__(self, max_seqs: int, device: torch.device):
         self.settings = torch.zeros(len(SETTINGS), max_seqs, dtype=torch.float32, device=device)
         self.seeds = torch.zeros(max_seqs, dtype=torch.long, device=device)
-        self.pool = CudagraphPool(device)
+        # Off the GPU the program runs as it is, uncaptured: how the tests reach this path on the CPU.
+        self.pool = CudagraphPool(device) if device.type == "cuda" else None
         # (bucket, cuts, where the logits and argmax are) -> (graph, its tokens)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -49,10 +50,14 @@ class SamplingGraphs:
         seeds = [0] * bucket
         for i, seed in zip(sampled, seeds_of([generators[i] for i in sampled])):
             seeds[i] = seed
-        self.settings[:, :bucket].copy_(settings_of(params + [_PADDING] * (bucket - n)).pin_memory(),
-                                        non_blocking=True)
-        self.seeds[:bucket].copy_(torch.tensor(seeds, dtype=torch.long).pin_memory(), non_blocking=True)
+        staged = [settings_of(params + [_PADDING] * (bucket - n)), torch.tensor(seeds, dtype=torch.long)]
+        if self.pool is not None:
+            staged = [t.pin_memory() for t in staged]
+        self.settings[:, :bucket].copy_(staged[0], non_blocking=True)
+        self.seeds[:bucket].copy_(staged[1], non_blocking=True)
         cuts = Cuts.of(params, logits.device)
+        if self.pool is None:
+            return sample_rows(logits, greedy, self.settings[:, :bucket], self.seeds[:bucket], cuts)[:n]
         key = (bucket, cuts, logits.data_ptr(), greedy.data_ptr())
         if key not in self.graphs:
             self.graphs[key] = self._capture(logits, greedy, cuts)
