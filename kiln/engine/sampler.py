@@ -212,22 +212,25 @@ def cut_threshold(x: torch.Tensor, cuts: Cuts, min_p: torch.Tensor, top_k: torch
     together, so every cut keeps the tokens at or above a threshold, and the order a sort gives
     equal values never matters. Nothing here depends on the values but through tensors: the same
     launches for every batch with these `cuts`."""
-    top = x.amax(dim=-1, keepdim=True)
-    tau = torch.full_like(top, float("-inf"))
-    if cuts.min_p:  # p >= min_p * p_max  <=>  x >= max + log(min_p); log(0) = -inf keeps all
-        tau = top + min_p.log()
     ranked = None  # each row's largest logits, descending: all of them, or topk's picks
     if cuts.sort:
         ranked = x.sort(dim=-1, descending=True).values
     elif cuts.picks:
         ranked = x.topk(min(cuts.picks, x.shape[1]), dim=-1).values
+    top = ranked[:, :1] if ranked is not None else x.amax(dim=-1, keepdim=True)
+    tau = torch.full_like(top, float("-inf"))
+    if cuts.min_p:  # p >= min_p * p_max  <=>  x >= max + log(min_p); log(0) = -inf keeps all
+        tau = top + min_p.log()
     if cuts.top_k:
         k = top_k.long()
         kth = ranked.gather(1, k.clamp(1, ranked.shape[1]) - 1)
         tau = torch.maximum(tau, torch.where(k > 0, kth, float("-inf")))
     if cuts.top_p:
-        left = (x - top).exp().masked_fill(x < tau, 0).sum(dim=-1, keepdim=True)
-        share = (ranked - top).exp().masked_fill(ranked < tau, 0) / left
+        weight = (ranked - top).exp().masked_fill(ranked < tau, 0)
+        # What the cuts so far left: the sorted row's own sum; beyond topk's picks the whole row's.
+        left = weight.sum(dim=-1, keepdim=True) if cuts.sort else \
+            (x - top).exp().masked_fill(x < tau, 0).sum(dim=-1, keepdim=True)
+        share = weight / left
         # Kept: a prefix of the ranking (the top entry always). Its last logit is the threshold,
         # which keeps that logit's whole group of equals, as if ranked by the group's first entry.
         kept = (share.cumsum(dim=-1) - share < top_p) & (share > 0)
