@@ -51,7 +51,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # name -> LLM arguments
 # "O2 native": -O2 with rotary and the activations left to Inductor (its CPU default, and its GPU
 # default before 2026-12-04).
-MODES = {"default": dict, "O2": lambda: dict(compilation=CompilationConfig.level(2)),
+MODES = {"default": dict, "default sample-in-graph": lambda: dict(sample_in_graph=True),
+         "O2": lambda: dict(compilation=CompilationConfig.level(2)),
          "O2 native": lambda: dict(compilation=CompilationConfig.level(2),
                                    custom_ops=["none", "+rms_norm", "+fused_add_rms_norm", "+skinny_linear"])}
 

@@ -88,7 +88,7 @@ def greedy_tokens(preset: str, args, mode: str) -> tuple[tuple[list[list[int]], 
               f"its start", flush=True)
     start = time.perf_counter()
     llm = LLM(preset, device=args.device, dtype=args.dtype, max_num_seqs=8, max_model_len=256, num_kv_blocks=128,
-              compilation_config=TOKEN_ENGINES[mode])
+              compilation_config=TOKEN_ENGINES[mode], sample_in_graph=mode == "default" and args.device == "cuda")
     startup = time.perf_counter() - start
     tokens = greedy(llm, args)
     if mode == "default" and llm.engine.runner.sampling_graphs is not None:

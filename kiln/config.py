@@ -68,6 +68,9 @@ class EngineConfig:
     # one step late (its extra token is dropped). None: on for one CUDA process, off on the CPU
     # (whose steps run as they are launched: there is nothing to overlap) and under tensor parallelism.
     async_scheduling: bool | None = None
+    # Sample a decode step in a CUDA graph of its own after the forward's (kiln.engine.sampling_graphs);
+    # needs a GPU's full decode graphs. None: off until the graphs are checked on the GPU (2026-12-05).
+    sample_in_graph: bool | None = None
     # Automatic prefix caching (vLLM's name): full KV blocks keyed by their tokens are shared
     # between sequences and kept after a request ends, so a prompt starting with a cached
     # prefix prefills only the rest (kiln.engine.block_manager).
@@ -198,6 +201,10 @@ class EngineConfig:
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="prepare the next step while the device runs this one (default: on for one CUDA "
                             "process, off on the CPU and with tensor parallelism)")
+        p.add_argument("--sample-in-graph", action=argparse.BooleanOptionalAction, default=None,
+                       help="sample decode steps (no logit_bias, penalties, min_tokens or grammar) in a CUDA graph "
+                            "per batch size and set of cuts, captured when first needed (needs a GPU's full "
+                            "decode graphs; default: off)")
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="share the KV blocks of a prompt's cached prefix instead of computing it again, and "
                             "keep finished requests' blocks until the memory is needed (default: on)")
@@ -221,7 +228,8 @@ class EngineConfig:
             compilation=compilation_config_from_args(args), model=args.model, device=args.device, dtype=args.dtype,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_step_seconds=args.max_step_seconds,
-            async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
+            async_scheduling=args.async_scheduling, sample_in_graph=args.sample_in_graph,
+            enable_prefix_caching=args.enable_prefix_caching,
             block_size=args.block_size,
             kv_cache_gib=args.kv_cache_gib, cpu_threads=args.cpu_threads,
             gpu_memory_utilization=args.gpu_memory_utilization,

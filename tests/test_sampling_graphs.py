@@ -3,6 +3,8 @@ decode steps' head is made to count as a graph's and the program runs uncaptured
 against the eager sampler's with the same draw (Gumbel-max, the GPU's, interpreted here): the
 GPU check of the captured graphs themselves is benchmarks/gpu_kernels.py's."""
 
+import pytest
+
 from kiln import LLM, SamplingParams
 from kiln.engine import sampler
 from kiln.engine.sampling_graphs import SamplingGraphs
@@ -12,7 +14,7 @@ def test_graph_path_tokens_equal_the_eager_samplers_and_unplain_batches_stay_eag
     monkeypatch.setattr(sampler, "draw", sampler.gumbel)
     llm = LLM("tiny-llama", device="cpu", dtype="float32", max_num_seqs=4, max_model_len=64, num_kv_blocks=64)
     runner = llm.engine.runner
-    assert runner.sampling_graphs is None  # the CPU has no graphs
+    assert runner.sampling_graphs is None  # off by default, and the CPU has no graphs
     graphs = SamplingGraphs(4, runner.device)
     calls = []
     original = graphs.sample
@@ -36,3 +38,8 @@ def test_graph_path_tokens_equal_the_eager_samplers_and_unplain_batches_stay_eag
         assert runs[0] == runs[1]
         assert [len(t) for t, _ in runs[0]] == [p.max_tokens for p in params]
     llm.shutdown()
+
+
+def test_sample_in_graph_without_full_decode_graphs_is_refused_at_start():
+    with pytest.raises(ValueError, match="drop --sample-in-graph or decode in full graphs on a GPU"):
+        LLM("tiny-llama", device="cpu", dtype="float32", num_kv_blocks=16, sample_in_graph=True)

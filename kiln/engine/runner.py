@@ -203,9 +203,14 @@ class ModelRunner:
                         -(-self.max_model_len // self.block_size), self.device),
             self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug,
             head=self._decode_head)
-        # Sampled decode steps replay a graph per (bucket, cuts) after the forward's (captured when first needed).
-        self.sampling_graphs = SamplingGraphs(config.max_num_seqs, self.device) \
-            if self.device.type == "cuda" and dispatcher.decode.mode == "full" else None
+        self.sampling_graphs = None
+        if config.sample_in_graph:
+            if self.device.type != "cuda" or dispatcher.decode.mode != "full":
+                raise ValueError(f"sample_in_graph replays a graph after a decode step's full CUDA graph, and this "
+                                 f"engine has none ({self.device.type}, decode CUDA graphs "
+                                 f"'{dispatcher.decode.mode}'); drop --sample-in-graph or decode in full graphs "
+                                 f"on a GPU")
+            self.sampling_graphs = SamplingGraphs(config.max_num_seqs, self.device)
         with recorder or contextlib.nullcontext():
             # Not under tensor parallelism: the recorded runs all-reduce, so every rank would have to
             # make the same runs, and whether a rank's kernels are in the cache is its own affair.
