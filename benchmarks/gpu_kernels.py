@@ -294,13 +294,15 @@ def check_sampling_graphs(bucket: int = 64) -> dict:
     from kiln.engine.sampling_params import SamplingParams
     from kiln.ops.triton.argmax import argmax
 
-    logits = torch.empty(bucket, 128256, device=DEVICE)  # a forward graph's output: one address
+    # A forward graph's outputs: the same addresses every step (a graph is kept per address).
+    logits = torch.empty(bucket, 128256, device=DEVICE)
+    greedy = torch.empty(bucket, dtype=torch.long, device=DEVICE)
     graphs = SamplingGraphs(bucket, torch.device(DEVICE))
     report, ok = {}, True
     for name, temperature, k, p, n in (("A", 0.7, 40, 0.9, bucket), ("B", 1.1, 200, 0.8, bucket),
                                        ("mixed", 0.9, 50, 0.95, bucket - 4)):
         logits.copy_(torch.randn(bucket, 128256, device=DEVICE) * 3)
-        greedy = argmax(logits)
+        greedy.copy_(argmax(logits))
         params = [SamplingParams(temperature=0.0) if name == "mixed" and i % 3 == 0 else
                   SamplingParams(temperature=temperature, top_k=k + i, top_p=p, min_p=0.01 * (i % 2), seed=i)
                   for i in range(n)]
