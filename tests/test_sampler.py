@@ -214,3 +214,15 @@ def test_a_zero_uniform_does_not_lose_the_only_kept_token(monkeypatch):
     x = torch.full((1, 20), float("-inf"))
     x[0, 7] = 2.0
     assert sample(x, [SamplingParams()], [None]).item() == 7
+
+
+def test_the_memory_profiles_cuts_are_the_largest_program():
+    """What the GPU's KV-cache profile runs: every cut on, whole rows sorted (the largest
+    temporaries), the thresholds those settings give."""
+    x = torch.randn(3, 2000)
+    params = [SamplingParams(min_p=0.01, top_k=sampler.TOP_K_SELECT_MAX + 1, top_p=0.9)] * 3
+    cuts = sampler.Cuts.of(params, torch.device("cuda"))
+    assert cuts == sampler.Cuts(min_p=True, top_k=True, top_p=True, sort=True, picks=0)
+    _, min_p, top_p, top_k, _ = sampler.settings_of(params).unsqueeze(-1)
+    assert torch.equal(sampler.largest_cuts(x), sampler.cut_threshold(x, cuts, min_p, top_k, top_p))
+    assert sampler.largest_cuts(x).isfinite().all()

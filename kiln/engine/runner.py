@@ -24,7 +24,7 @@ from kiln.compile.triton_precompile import KernelCompiler, MissingKernels, trito
 from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
 from kiln.cudagraph import CudagraphChoice, CudagraphDispatcher, ForwardCudagraphs, PackedStep, StepBuffers
 from kiln.engine.logprobs import Logprob, TokenLogprobs
-from kiln.engine.sampler import RowHistory, greedy_tokens, needs_history, plain, sample, to_device
+from kiln.engine.sampler import RowHistory, greedy_tokens, largest_cuts, needs_history, plain, sample, to_device
 from kiln.engine.sampling_graphs import SamplingGraphs
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import ScheduledBatch
@@ -394,8 +394,8 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.inference_mode(), set_forward_context(None, {}):
             hidden = self.compiled(ids, torch.zeros_like(ids))
-            # A step samples at most one row per sequence.
-            self.model.compute_logits(hidden[: self.config.max_num_seqs])
+            # A step samples at most one row per sequence; the cuts' temporaries are the step's too.
+            largest_cuts(self.model.compute_logits(hidden[: self.config.max_num_seqs]))
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         non_torch = (total - free) - torch.cuda.memory_reserved()

@@ -239,6 +239,16 @@ def cut_threshold(x: torch.Tensor, cuts: Cuts, min_p: torch.Tensor, top_k: torch
     return tau
 
 
+def largest_cuts(logits: torch.Tensor) -> torch.Tensor:
+    """The cuts at their most on `logits` (every cut on, whole rows sorted): for a memory profile,
+    whose step must hold the largest temporaries sampling makes (at 256 rows of a 128k vocabulary
+    some hundreds of MB). Torch ops only: nothing compiles."""
+    params = [SamplingParams(min_p=0.01, top_k=TOP_K_SELECT_MAX + 1, top_p=0.9)] * logits.shape[0]
+    _, min_p, top_p, top_k, _ = _host_to(settings_of(params), logits.device).unsqueeze(-1)
+    cuts = Cuts(min_p=True, top_k=True, top_p=True, sort=True, picks=0)
+    return cut_threshold(logits / 1.0, cuts, min_p, top_k, top_p)
+
+
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, settings: torch.Tensor, seeds: torch.Tensor,
                 cuts: Cuts) -> torch.Tensor:
     """A whole batch sampled on the GPU with no host value but through tensors (what a decode
