@@ -8,8 +8,9 @@ each row's settings and seed from static buffers; only the tokens come back.
 
 A graph is captured the first time a step needs its (bucket, Cuts), not at start-up: a server
 sees few of the pairs, and a start captures nothing more. Its memory (at batch 256 the scaled
-logits and the ranking, some hundreds of MB) comes from a pool of its own, outside the
-forward graphs' shared pool, whose memory they reuse between captures. Rows with logit_bias,
+logits and the ranking, some hundreds of MB, which the KV-cache profile leaves free) comes
+from a pool of its own, outside the forward graphs' shared pool, whose memory they reuse
+between captures. Rows with logit_bias,
 penalties or min_tokens, and structured output, take the eager sampler: their programs
 depend on each row's history.
 """
