@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from kiln.ops.triton.device_buffers import kept_buffer
 from kiln.ops.triton.kernels.argmax import argmax_kernel
 
 BLOCK = 4096  # columns per program
@@ -53,10 +54,5 @@ def _launch(x: torch.Tensor, threshold: torch.Tensor | None, seeds: torch.Tensor
     return out
 
 
-_row_counters: dict[torch.device, torch.Tensor] = {}
-
-
 def _counters(device: torch.device) -> torch.Tensor:
-    if device not in _row_counters:
-        _row_counters[device] = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
-    return _row_counters[device]
+    return kept_buffer("argmax row counters", MAX_ROWS, torch.int32, device)

@@ -41,6 +41,7 @@ import torch
 import triton
 
 from kiln.forward_context import AttentionMetadata
+from kiln.ops.triton.device_buffers import kept_buffer
 from kiln.ops.triton.kernels.attention import paged_attention_kernel, write_kv_kernel
 
 MAX_KV_SPLITS = 16
@@ -278,11 +279,7 @@ def needs_64bit_offsets(cache: torch.Tensor) -> bool:
 
 
 MAX_INT32_OFFSET = 2**31 - 1
-_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def _merge_counters(device: torch.device) -> torch.Tensor:
-    # Allocated on the first call at a device (warm-up, before any capture), zero between launches.
-    if device not in _counters:
-        _counters[device] = torch.zeros(MAX_SPLIT_PROGRAMS, dtype=torch.int32, device=device)
-    return _counters[device]
+    return kept_buffer("attention merge counters", MAX_SPLIT_PROGRAMS, torch.int32, device)

@@ -51,6 +51,7 @@ import triton
 
 from kiln.ops.activation import GATED_ACTIVATIONS
 from kiln.ops.triton import gemv_configs
+from kiln.ops.triton.device_buffers import kept_buffer
 from kiln.ops.triton.kernels.gemv import gemv_dot_kernel, gemv_fma_kernel
 
 MAX_ROWS = 64  # above this, callers use cuBLAS
@@ -286,23 +287,13 @@ fma_kernel = triton.autotune(FMA_CONFIGS, key=_KEY, prune_configs_by={"early_con
 dot_kernel = triton.autotune(DOT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune(False)},
                              do_bench=_bench, cache_results=True)(_even_k(gemv_dot_kernel))
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
 
 def _split_counters(device: torch.device) -> torch.Tensor:
-    # Allocated on the first call at a device (warm-up), zero ever after between launches.
-    if device not in _counters:
-        _counters[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return _counters[device]
-
-
-_unread: dict[torch.device, torch.Tensor] = {}
+    return kept_buffer("gemv split counters", MAX_SPLIT_TILES, torch.int32, device)
 
 
 def _unread_workspace(device: torch.device) -> torch.Tensor:
-    if device not in _unread:
-        _unread[device] = torch.empty(1, dtype=torch.float32, device=device)
-    return _unread[device]
+    return kept_buffer("gemv unread workspace", 1, torch.float32, device, zeroed=False)
 
 
 def choose_kernel(rows: int) -> str:
