@@ -24,7 +24,7 @@ logger = logging.getLogger("kiln")
 SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp",
                                                         "kv_cache_write.cpp")]
 HEADERS = [Path(__file__).with_name("float_bits.h")]
-NAME = "kiln_cpu_attention"
+NAME = "kiln_cpu_kernels"
 # The machine's own vector units; expf without errno, so that the softmax's exponentials
 # vectorise. OpenMP because at::parallel_for is a header whose `omp parallel` is compiled here:
 # without it the kernel ran on one thread whatever torch's count (16 decodes at 100 tokens, 2
