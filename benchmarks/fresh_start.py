@@ -205,6 +205,7 @@ def main() -> None:
     report["torch"] = torch.__version__
     report["gpu"] = torch.cuda.get_device_name() if args.device == "cuda" else None
     path = Path(args.out) / f"fresh_start_{args.device}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
 
