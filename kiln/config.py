@@ -32,6 +32,10 @@ CUSTOM_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_m
 CUSTOM_OP_BASES = ("all", "none")
 CUSTOM_OPS_EXAMPLE = '["none", "+rms_norm"]'
 CPU_STEP_SECONDS = 1.0  # max_step_seconds' default on the CPU
+# What sample_in_graph=None means on a GPU with full decode graphs: off until the sampling graphs'
+# GPU check (benchmarks/gpu_kernels.py check_sampling_graphs) has passed and the same-run sampled
+# decode benchmark shows them no slower at any batch size.
+SAMPLE_IN_GRAPH_BY_DEFAULT = False
 # The dtypes whose linear weights the CPU prepacks for oneDNN (kiln/ops/cpu/packed_linear.py).
 CPU_PACKED_LINEAR_DTYPES = (torch.bfloat16,)
 
@@ -69,7 +73,7 @@ class EngineConfig:
     # (whose steps run as they are launched: there is nothing to overlap) and under tensor parallelism.
     async_scheduling: bool | None = None
     # Sample a decode step in a CUDA graph of its own after the forward's (kiln.engine.sampling_graphs);
-    # needs a GPU's full decode graphs. None: off until the graphs are checked on the GPU (2026-12-05).
+    # needs a GPU's full decode graphs. None: SAMPLE_IN_GRAPH_BY_DEFAULT where those run, one process.
     sample_in_graph: bool | None = None
     # Automatic prefix caching (vLLM's name): full KV blocks keyed by their tokens are shared
     # between sequences and kept after a request ends, so a prompt starting with a cached

@@ -4,8 +4,10 @@ against the eager sampler's with the same draw (Gumbel-max, the GPU's, interpret
 GPU check of the captured graphs themselves is benchmarks/gpu_kernels.py's."""
 
 import pytest
+import torch
 
 from kiln import LLM, SamplingParams
+from kiln.engine import runner as runner_module
 from kiln.engine import sampler
 from kiln.engine.sampling_graphs import SamplingGraphs
 
@@ -27,6 +29,7 @@ def test_graph_path_tokens_equal_the_eager_samplers_and_unplain_batches_stay_eag
              SamplingParams(max_tokens=12, temperature=0.7, top_p=0.8, seed=3, ignore_eos=True, logprobs=2)]
     biased = plain[:3] + [SamplingParams(max_tokens=12, temperature=0.7, seed=3, ignore_eos=True,
                                          logit_bias={7: 5.0})]
+    eager = {}
     for params, in_graph in ((plain, True), (biased, False)):
         runs = []
         for use in (graphs, None):
@@ -37,9 +40,30 @@ def test_graph_path_tokens_equal_the_eager_samplers_and_unplain_batches_stay_eag
             assert bool(calls) == (use is not None and in_graph)
         assert runs[0] == runs[1]
         assert [len(t) for t, _ in runs[0]] == [p.max_tokens for p in params]
+        eager[in_graph] = runs[1]
+
+    # A graph that cannot be captured (out of memory) leaves its steps to the eager sampler, which
+    # then draws each seeded row's generator as it would have: the same tokens again.
+    def out_of_memory(*args):
+        captures.append(args)
+        raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+
+    captures = []
+    monkeypatch.setattr(graphs, "pool", object())  # stands for the GPU's: the path that captures
+    monkeypatch.setattr(graphs, "_capture", out_of_memory)
+    runner.sampling_graphs = graphs
+    outs = llm.generate(prompts, plain, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs] == eager[True]
+    assert graphs.failed and not graphs.graphs
+    assert len(captures) == len(graphs.failed)  # each (bucket, cuts) tried once, not every step
     llm.shutdown()
 
 
-def test_sample_in_graph_without_full_decode_graphs_is_refused_at_start():
+def test_sample_in_graph_without_full_decode_graphs_is_refused_at_start(monkeypatch):
     with pytest.raises(ValueError, match="drop --sample-in-graph or decode in full graphs on a GPU"):
         LLM("tiny-llama", device="cpu", dtype="float32", num_kv_blocks=16, sample_in_graph=True)
+    # Left at None it never refuses: where it cannot run it is off, whatever the default.
+    monkeypatch.setattr(runner_module, "SAMPLE_IN_GRAPH_BY_DEFAULT", True)
+    llm = LLM("tiny-llama", device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64)
+    assert llm.engine.runner.sampling_graphs is None
+    llm.shutdown()

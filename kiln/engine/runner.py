@@ -21,7 +21,7 @@ from kiln.compile.compile_workers import compiles_in_workers, start_ahead, start
 from kiln.compile.layer_stamping import layer_kinds
 from kiln.compile.opt_in import is_repeated_layer
 from kiln.compile.triton_precompile import KernelCompiler, MissingKernels, triton_target
-from kiln.config import DEFAULT_FORWARD_REASON, EngineConfig
+from kiln.config import DEFAULT_FORWARD_REASON, SAMPLE_IN_GRAPH_BY_DEFAULT, EngineConfig
 from kiln.cudagraph import CudagraphChoice, CudagraphDispatcher, ForwardCudagraphs, PackedStep, StepBuffers
 from kiln.engine.logprobs import Logprob, TokenLogprobs
 from kiln.engine.sampler import RowHistory, greedy_tokens, largest_cuts, needs_history, plain, sample, to_device
@@ -204,12 +204,14 @@ class ModelRunner:
             self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug,
             head=self._decode_head)
         self.sampling_graphs = None
-        if config.sample_in_graph:
-            if self.device.type != "cuda" or dispatcher.decode.mode != "full":
-                raise ValueError(f"sample_in_graph replays a graph after a decode step's full CUDA graph, and this "
-                                 f"engine has none ({self.device.type}, decode CUDA graphs "
-                                 f"'{dispatcher.decode.mode}'); drop --sample-in-graph or decode in full graphs "
-                                 f"on a GPU")
+        graphed = self.device.type == "cuda" and dispatcher.decode.mode == "full"
+        if config.sample_in_graph and not graphed:
+            raise ValueError(f"sample_in_graph replays a graph after a decode step's full CUDA graph, and this "
+                             f"engine has none ({self.device.type}, decode CUDA graphs "
+                             f"'{dispatcher.decode.mode}'); drop --sample-in-graph or decode in full graphs "
+                             f"on a GPU")
+        if config.sample_in_graph or (config.sample_in_graph is None and graphed and SAMPLE_IN_GRAPH_BY_DEFAULT
+                                      and config.tensor_parallel_size == 1):
             self.sampling_graphs = SamplingGraphs(config.max_num_seqs, self.device)
         with recorder or contextlib.nullcontext():
             # Not under tensor parallelism: the recorded runs all-reduce, so every rank would have to
@@ -387,20 +389,33 @@ class ModelRunner:
                     f" ({done['failed']} failed: they compile at their launch)" if done["failed"] else "")
 
     def _profile_gpu_blocks(self) -> int:
-        """Blocks that fit in the GPU share left after a forward of the largest batch."""
+        """Blocks that fit in the GPU share left after a forward of the largest batch and its
+        sampling, and, with sampling graphs, their pool."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         n = self.config.max_num_batched_tokens
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.inference_mode(), set_forward_context(None, {}):
             hidden = self.compiled(ids, torch.zeros_like(ids))
-            # A step samples at most one row per sequence; the cuts' temporaries are the step's too.
-            largest_cuts(self.model.compute_logits(hidden[: self.config.max_num_seqs]))
+            forward_peak = torch.cuda.max_memory_allocated()
+            # A step samples at most one row per sequence. The eager sampler may hold two copies of
+            # the logits beside them (a grammar's mask; logit_bias or penalties applied), then the
+            # cuts' temporaries.
+            logits = self.model.compute_logits(hidden[: self.config.max_num_seqs])
+            copies = [logits.clone(), logits.clone()]
+            torch.cuda.reset_peak_memory_stats()
+            held = torch.cuda.memory_allocated()
+            largest_cuts(copies[-1])
+            cuts_bytes = torch.cuda.max_memory_allocated() - held
+            del copies, logits, hidden
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         non_torch = (total - free) - torch.cuda.memory_reserved()
-        peak = torch.cuda.max_memory_allocated()
-        budget = total * self.config.gpu_memory_utilization - peak - non_torch
+        peak = max(forward_peak, held + cuts_bytes)
+        # The sampling graphs' pool keeps one program's temporaries for good, beside whatever the
+        # eager sampler's next peak takes from the general pool.
+        reserved = cuts_bytes if self.sampling_graphs is not None else 0
+        budget = total * self.config.gpu_memory_utilization - peak - reserved - non_torch
         if budget <= 0:
             raise RuntimeError(f"no GPU memory left for the KV cache: the model peaks at "
                                f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise "
@@ -466,7 +481,8 @@ class ModelRunner:
         if step.sample_rows == list(range(len(seqs))):  # a decode batch samples every row
             if head is not None and self._sample_in_graph(step, params):
                 tokens = self.sampling_graphs.sample(*head, params, [s.generator for s in seqs])
-                return self._launched(seqs, head[0][: len(seqs)], tokens, prompt_logprobs)
+                if tokens is not None:  # None: this graph could not be captured, the eager sampler's
+                    return self._launched(seqs, head[0][: len(seqs)], tokens, prompt_logprobs)
             if head is not None:
                 logits, greedy = (t[: len(seqs)] for t in head)
             else:
