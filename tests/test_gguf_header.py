@@ -72,3 +72,39 @@ def test_not_a_gguf_file(tmp_path):
     path.write_bytes(b"NOPE" + bytes(64))
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf(path)
+
+
+def test_kiln_s_ggml_type_table_is_the_gguf_package_s():
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from kiln.loader.ggml_types import GGML_TYPES
+
+    theirs = {int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType if t in GGML_QUANT_SIZES}
+    assert {k: v for k, v in theirs.items() if k in GGML_TYPES} == GGML_TYPES
+    assert {"F32", "F16", "BF16", "Q4_1", "Q8_0", "Q4_K", "Q6_K"} <= {name for name, _, _ in GGML_TYPES.values()}
+
+
+def test_a_tensor_type_nobody_knows_is_refused_by_name(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_tensor("w", np.ones((2, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = bytearray((tmp_path / "t.gguf").read_bytes())
+    at = data.index(b"w", 24) + 1 + 4 + 2 * 8  # the tensor's name, then n_dims u32 and two u64 dims
+    data[at:at + 4] = (250).to_bytes(4, "little")  # its type id
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="tensor 'w' has GGML type 250, which neither kiln nor the gguf package knows"):
+        read_gguf(tmp_path / "bad.gguf")
+
+
+def test_reading_the_embedded_model_imports_no_gguf_package():
+    import subprocess
+    import sys
+
+    code = ("import sys; from kiln.loader import embedded_gguf_path; from kiln.loader.gguf_file import GGUFCheckpoint; "
+            "c = GGUFCheckpoint(embedded_gguf_path()); c.config(); c.tokenizer(); n = sum(1 for _ in c.weights()); "
+            "print(n, 'gguf' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert int(out[0]) > 0 and out[1] == "False"

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kiln.loader.ggml_types import ggml_type
 from kiln.loader.gguf_header import read_gguf
 from kiln.loader.tokenizer import Tokenizer
 from kiln.models.config import ModelArchConfig
@@ -123,9 +124,6 @@ class GGUFCheckpoint:
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named fp32 tensors, dequantized one at a time to keep peak memory low."""
-        from gguf.constants import GGMLQuantizationType
-        from gguf.quants import dequantize
-
         cfg = self.config()
         names = {**_NAMES, **_EXTRA_NAMES.get(self.arch, {}), **(_MOE_NAMES if cfg.num_experts else {})}
         patterns = {}
@@ -137,7 +135,7 @@ class GGUFCheckpoint:
                 if t.name == "rope_freqs.weight":  # read by config() as the rope scaling
                     continue
                 raise ValueError(f"{self.path}: unexpected tensor {t.name!r}")
-            w = dequantized(t.data, GGMLQuantizationType(t.tensor_type), dequantize)
+            w = dequantized(t.data, t.tensor_type)
             w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
             # llama.cpp's converter interleaves q/k rotary halves for the llama architecture only.
             if self.arch == "llama" and t.name.endswith("attn_q.weight"):
@@ -162,18 +160,24 @@ class GGUFCheckpoint:
 _BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 
 
-def dequantized(data: np.ndarray, kind, fallback) -> np.ndarray:
-    """A tensor's fp32 values. Q4_1 and Q8_0 (the embedded SmolLM2's, and common in llama
-    files) in torch: gguf's arithmetic in gguf's order, so the same bits, where gguf's loop
-    over row groups took 2.1 s of the embedded model's 2.6 s load on this CPU. Other types
-    go to gguf's `fallback`."""
-    if kind.name not in _BLOCK_BYTES:
-        return np.asarray(fallback(data, kind), dtype=np.float32)
-    raw = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, _BLOCK_BYTES[kind.name]))
+def dequantized(data: np.ndarray, type_id: int) -> np.ndarray:
+    """A tensor's fp32 values. F32 and F16 as they are; Q4_1 and Q8_0 (the embedded SmolLM2's,
+    and common in llama files) in torch: gguf's arithmetic in gguf's order, so the same bits,
+    where gguf's loop over row groups took 2.1 s of the embedded model's 2.6 s load on this
+    CPU. Other types go to the gguf package's dequantizer."""
+    name = ggml_type(type_id)[0]
+    if name in ("F32", "F16"):  # typed arrays already (gguf_header); F16 widens exactly
+        return np.asarray(data, dtype=np.float32)
+    if name not in _BLOCK_BYTES:
+        from gguf.constants import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        return np.asarray(dequantize(data, GGMLQuantizationType(type_id)), dtype=np.float32)
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, _BLOCK_BYTES[name]))
     d = raw[:, :2].contiguous().view(torch.float16).float()
     # In place: every fresh tensor of this size costs its page faults, which were most of
     # the load on this CPU (q * d is d * q exactly, so the bits stay gguf's).
-    if kind.name == "Q8_0":
+    if name == "Q8_0":
         values = raw[:, 2:].contiguous().view(torch.int8).float().mul_(d)
     else:
         m = raw[:, 2:4].contiguous().view(torch.float16).float()

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.loader.ggml_types import ggml_type
+
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
@@ -31,7 +33,7 @@ _FLOAT_DATA = {0: np.float32, 1: np.float16}  # GGML F32, F16: typed arrays, not
 class GGUFTensor:
     name: str
     shape: tuple[int, ...]  # ggml order: the fastest-varying dim first
-    tensor_type: int  # gguf.GGMLQuantizationType value
+    tensor_type: int  # a GGML type id (kiln.loader.ggml_types)
     data: np.ndarray  # typed [dims reversed] for F32/F16, else uint8 [rows, bytes per row]
 
 
@@ -69,8 +71,6 @@ class _Cursor:
 
 def read_gguf(path: str | Path) -> tuple[dict, list[GGUFTensor]]:
     """(metadata by key, tensors in file order) of the GGUF file at `path`."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
     path = Path(path)
     mapped = np.memmap(path, mode="r")
     cursor = _Cursor(memoryview(mapped), path)
@@ -94,7 +94,11 @@ def read_gguf(path: str | Path) -> tuple[dict, list[GGUFTensor]]:
     start = -(-cursor.pos // alignment) * alignment
     tensors = []
     for name, dims, kind, offset in infos:
-        block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        try:
+            _, block, type_bytes = ggml_type(kind)
+        except (KeyError, ValueError):
+            raise ValueError(f"{path}: tensor {name!r} has GGML type {kind}, which neither kiln nor the gguf "
+                             f"package knows; the file is corrupt or newer than both") from None
         count = int(np.prod(dims))
         nbytes = count // block * type_bytes
         raw = mapped[start + offset:start + offset + nbytes]
