@@ -95,11 +95,13 @@ def test_a_warm_start_with_the_preload_loads_every_piece_and_compiles_nothing(fi
     assert stats["inductor_compiles"] == 0 and stats["graphs_seen"] == 0 and stats["pieces_loaded"] == 3
     assert preload is not None and not preload["errors"] and preload["parts"]["torch_key"] > 0
     assert "preload_wait" in stats["warm_phases_s"] and "background.imports" in stats["warm_phases_s"]
+    # Inductor's ISA probes ran in the preload, inside this entry, so the warm start ran none.
+    assert preload["parts"]["isa_probe"] > 0 and "pieces.isa_probe" not in stats["warm_phases_s"]
     assert out["max_error"] <= 1e-4
 
 
 def test_the_preload_starts_only_where_a_warm_start_is_likely(filled, tmp_path, monkeypatch):
-    root, _, _, _ = filled
+    root, key, _, _ = filled
     started = []
     monkeypatch.setattr(Preload, "start", lambda self: started.append(self) or self)
     cpu = torch.device("cpu")
@@ -113,6 +115,7 @@ def test_the_preload_starts_only_where_a_warm_start_is_likely(filled, tmp_path, 
     assert preload_if_warm(CompilationConfig(mode=3), cache, torch.device("meta")) is None  # no entry for it
     assert not started and cache.preload is None
     assert preload_if_warm(CompilationConfig(mode=3), cache, cpu) is cache.preload is started[0]
+    assert started[0].probe_entry == root / key  # the CPU's ISA probes, in the entry last written
     # The engine's default (eager) start-up never starts it either.
     started.clear()
     monkeypatch.setenv("KILN_CACHE_ROOT", str(root))

@@ -351,6 +351,18 @@ class CacheEntry:
 _PROBED: set[Path] = set()  # entries whose Inductor dir holds this process's ISA probes
 
 
+def probe_isa_in(path: Path) -> None:
+    """The probes of the entry at `path` (what its compiler_dirs would run first), ahead of its
+    warm start: the compile preload runs them while the weights load, since most of their time
+    is spent waiting on a subprocess per ISA extension."""
+    import torch._inductor.config
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    with temporary_cache_dir(str(path / INDUCTOR)), torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+        probe_isa_here()
+    _PROBED.add(path)
+
+
 def probe_isa_here() -> None:
     """Inductor still probes ISA extensions (AVX-512 BF16, VNNI, AMX) by building tiny .so
     files in the current cache dir, once per process. A warm start repeats the probes in the

@@ -6,7 +6,9 @@ an install has no .pyc files) and computes keys that torch caches for the life o
 Inductor's torch_key() (a hash of torch's source files, which every artifact load checks) and,
 on CUDA, Triton's key and backend hash (a hash of Triton's sources, and the compiler version).
 
-None of it depends on the model, so the engine starts it before the weights load, and the warm
+On the CPU it also runs Inductor's ISA probes (a subprocess each) inside the entry this start
+most likely uses (kiln.compile.cache.entry.probe_isa_in). None of the rest depends on the
+model, so the engine starts it all before the weights load, and the warm
 start joins it before it touches the cache (the wait is part of the timed warm start, so the
 compile phase never looks shorter than what the start-up waited for). Only where a warm start
 is likely: mode 3 with the compile cache on, and an entry of this model on this device type in
@@ -20,9 +22,11 @@ import importlib
 import logging
 import threading
 import time
+from pathlib import Path
 
 import torch
 
+from kiln.compile.cache.entry import probe_isa_in
 from kiln.compile.cache.model_cache import CompileCache
 from kiln.compile.config import CompilationConfig
 from kiln.compile.monitor import logger
@@ -54,8 +58,8 @@ DEVICE_MODULES = {
 class Preload:
     """The background thread and what it did: `parts` maps each step to its seconds."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, probe_entry: Path | None = None):
+        self.device, self.probe_entry = device, probe_entry
         self.parts: dict[str, float] = {}
         self.errors: list[str] = []
         self.cuda_index = None
@@ -93,6 +97,8 @@ class Preload:
         for module in COMMON_MODULES + DEVICE_MODULES.get(self.device.type, ()):
             self._step("imports", lambda m=module: _import_if_present(m))
         self._step("torch_key", _torch_key)
+        if self.probe_entry is not None:
+            self._step("isa_probe", lambda: probe_isa_in(self.probe_entry))
         if self.device.type == "cuda":
             self._step("triton_key", lambda: _triton_keys(self.cuda_index))
 
@@ -125,10 +131,10 @@ def _triton_keys(index: int) -> None:
     triton_hash_with_backend()  # Triton's key (cached by Triton) and its backend's hash
 
 
-def start_preload(device: torch.device) -> Preload | None:
+def start_preload(device: torch.device, probe_entry: Path | None = None) -> Preload | None:
     """Start the preload for a model on `device`; None if it could not start."""
     try:
-        return Preload(device).start()
+        return Preload(device, probe_entry).start()
     except Exception as e:
         logger.debug("compile preload not started: %s: %s", type(e).__name__, e)
         return None
@@ -137,8 +143,12 @@ def start_preload(device: torch.device) -> Preload | None:
 def preload_if_warm(config: CompilationConfig, cache: CompileCache | None, device: torch.device) -> Preload | None:
     """Start the preload if this start will likely be warm (see the module's doc), and hand
     it to `cache`, where the warm start finds it. Never on the eager path."""
-    if (cache is None or config.mode != 3 or config.debug_guards or config.piece_compiler != "inductor"
-            or not cache.root.has_entry_for(cache.name, device.type)):
+    if cache is None or config.mode != 3 or config.debug_guards or config.piece_compiler != "inductor":
         return None
-    cache.preload = start_preload(device)
+    entries = cache.root.entries_for(cache.name, device.type)
+    if not entries:
+        return None
+    # On the CPU, Inductor's ISA probes too, in the entry last written: most likely the one this
+    # start will use (if not, that one probes again when it loads, as without the preload).
+    cache.preload = start_preload(device, entries[0] if device.type == "cpu" else None)
     return cache.preload

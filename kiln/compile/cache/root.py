@@ -45,15 +45,22 @@ class CacheRoot:
     def has_entry_for(self, model: str, device_type: str) -> bool:
         """Whether an entry of `model` (its manifest's name) on `device_type` is here: a cheap
         guess that a start will be warm, made before the key can be computed."""
+        return bool(self.entries_for(model, device_type))
+
+    def entries_for(self, model: str, device_type: str) -> list[Path]:
+        """The folders of `model`'s entries on `device_type`, the last written (a warm start
+        rewrites its manifest) first."""
+        found = []
         for manifest in self.path.glob("*/" + MANIFEST) if self.path.is_dir() else ():
             try:
                 info = json.loads(manifest.read_text())
+                written = manifest.stat().st_mtime
             except (OSError, ValueError):
                 continue
             if isinstance(info, dict) and info.get("model") == model and info.get("graph") and \
                     str(info.get("device", "")).split(":")[0] == device_type:
-                return True
-        return False
+                found.append((written, manifest.parent))
+        return [folder for _, folder in sorted(found, reverse=True)]
 
     def read_index(self, prekey: str) -> list[str] | None:
         """The sources the last capture under `prekey` traced; None if it has not run (or
