@@ -6,8 +6,8 @@ from kiln import logs  # noqa: E402
 
 logs.configure()
 
-from kiln.engine import (LLM, CompletionOutput, GuidedDecodingParams, RequestOutput, SamplingParams,  # noqa: E402
-                         StructuredOutputsParams)
+from kiln.engine import (LLM, CompletionOutput, GuidedDecodingParams, RequestOutput,  # noqa: E402
+                         RequestOutputKind, SamplingParams, StructuredOutputsParams)
 
-__all__ = ["LLM", "CompletionOutput", "GuidedDecodingParams", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "CompletionOutput", "GuidedDecodingParams", "RequestOutput", "RequestOutputKind", "SamplingParams",
            "StructuredOutputsParams"]

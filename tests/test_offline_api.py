@@ -170,3 +170,28 @@ def test_generate_takes_vllm_s_prompt_dicts_and_refuses_other_shapes(llm):
         with pytest.raises(ValueError, match=message):
             llm.generate([text, bad], params, use_tqdm=False)
         assert not llm.engine.has_unfinished()  # the good prompt before it was taken back
+
+
+def test_output_kind_final_only_gives_one_output_and_generate_asks_for_it(llm):
+    from kiln import RequestOutputKind
+
+    with pytest.raises(ValueError, match="output_kind=<RequestOutputKind.DELTA: 1> is not supported by kiln; give "
+                                         "RequestOutputKind.CUMULATIVE"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA)
+    engine = llm.engine
+    seen = {}
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+        request_id = engine.add_request("Once upon a time", SamplingParams(max_tokens=6, temperature=0,
+                                                                           ignore_eos=True, output_kind=kind))
+        outs = []
+        while engine.has_unfinished():
+            outs += [o for o in engine.step() if o.request_id == request_id]
+        seen[kind] = outs
+    cumulative, final = seen[RequestOutputKind.CUMULATIVE], seen[RequestOutputKind.FINAL_ONLY]
+    assert len(cumulative) == 6 and [len(o.outputs[0].token_ids) for o in cumulative] == [1, 2, 3, 4, 5, 6]
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == cumulative[-1].outputs[0].token_ids
+    # generate reads only the last output, so it asks for that alone, on its own copy of the params.
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0].token_ids == \
+        final[0].outputs[0].token_ids
+    assert params.output_kind is RequestOutputKind.CUMULATIVE

@@ -2,8 +2,8 @@ from kiln.engine.llm import LLM
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kiln.engine.logprobs import Logprob
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling_params import RequestOutputKind, SamplingParams
 from kiln.engine.structured_output import GuidedDecodingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "CompletionOutput", "GuidedDecodingParams", "LLMEngine", "Logprob", "RequestMetrics",
-           "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+           "RequestOutput", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]

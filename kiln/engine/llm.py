@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from tqdm import tqdm
 
@@ -10,7 +11,7 @@ from kiln.compile.config import CompilationConfig
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.outputs import RequestOutput
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -51,6 +52,13 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        # Only each request's last output is read here: ask for that one alone (as vLLM's LLM does),
+        # on copies, the caller's params untouched.
+        final = {}
+        for sp in params:
+            if id(sp) not in final:
+                final[id(sp)] = replace(sp if sp is not None else SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
+        params = [final[id(sp)] for sp in params]
         ids = []
         try:
             for prompt, sp in zip(prompts, params):

@@ -14,7 +14,7 @@ from kiln.engine.cpu_threads import choose_threads
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.outputs import RequestOutput
 from kiln.engine.runner import LaunchedStep, ModelRunner, SampledToken
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling_params import RequestOutputKind, SamplingParams
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.sequence import Sequence
 from kiln.engine.structured_output import GrammarCompiler
@@ -205,8 +205,12 @@ class LLMEngine:
         outputs = []
         for request_id in updated:
             group = self.requests[request_id]
-            outputs.append(RequestOutput.of(group))
-            if outputs[-1].finished:
+            finished = all(s.finished for s in group)
+            # FINAL_ONLY: no output until the end (at 256 requests of 512 tokens, building every
+            # request's cumulative output each step cost ~2.7 ms of host time a step on the CPU).
+            if finished or group[0].params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(RequestOutput.of(group))
+            if finished:
                 del self.requests[request_id]
         return outputs
 

@@ -74,7 +74,7 @@ class RequestOutput:
         metrics = RequestMetrics(first.times["arrival"], earliest("scheduled"), earliest("first_token"),
                                  max((t["last_token"] for t in times if "last_token" in t), default=None),
                                  latest("finished"))
-        return cls(first.request_id, first.prompt, first.token_ids[: first.num_prompt_tokens], completions,
+        return cls(first.request_id, first.prompt, first.prompt_token_ids, completions,
                    all(s.finished for s in seqs), metrics, sum(s.num_preemptions for s in seqs),
                    first.prompt_logprobs)
 

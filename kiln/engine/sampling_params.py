@@ -8,13 +8,14 @@ a setting silently.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
 SUPPORTED = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
              "ignore_eos", "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "prompt_logprobs", "structured_outputs",
-             "guided_decoding")
+             "guided_decoding", "output_kind")
 MAX_LOGPROBS = 20  # top log probabilities a token may ask for (OpenAI's limit)
 # vLLM's fields kiln does not implement yet, each with the value that leaves it off.
 MAX_N = 64  # choices a request may ask for
@@ -23,6 +24,16 @@ UNSUPPORTED_DEFAULTS = {
     "logits_processors": None, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None,
     "extra_args": None,
 }
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's outputs hold (vLLM's enum): each its whole completion so far
+    (CUMULATIVE), only what is new since the last (DELTA: not in kiln yet), or a single output
+    when the request ends (FINAL_ONLY: what LLM.generate asks for, which reads no other)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -56,6 +67,7 @@ class SamplingParams:
     guided_decoding: object = None
     structured_outputs: object = None
     extra_args: dict | None = field(default=None)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         for name, off in UNSUPPORTED_DEFAULTS.items():
@@ -63,6 +75,10 @@ class SamplingParams:
             if value != off and not (off is None and value in ([], {})):
                 raise ValueError(f"SamplingParams {name}={value!r} is not supported by kiln yet (leave it at "
                                  f"{off!r}); kiln honours {', '.join(SUPPORTED)}")
+        if not isinstance(self.output_kind, RequestOutputKind) or self.output_kind is RequestOutputKind.DELTA:
+            raise ValueError(f"SamplingParams output_kind={self.output_kind!r} is not supported by kiln; give "
+                             f"RequestOutputKind.CUMULATIVE (each output holds the whole completion so far) or "
+                             f"RequestOutputKind.FINAL_ONLY (one output, when the request ends)")
         if not _count(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}] (the choices to generate), got {self.n!r}")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

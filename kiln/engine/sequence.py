@@ -29,6 +29,9 @@ class Sequence:
         self.leader: Sequence | None = None
         self.prompt = prompt
         self.token_ids = list(prompt_token_ids)
+        # Its own list, never changed: every output of the request hands out this one, not a copy
+        # (at 256 requests of 900 prompt tokens, copies cost ~2 ms of host time a step).
+        self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.detokenizer = detokenizer
