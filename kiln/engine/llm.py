@@ -57,7 +57,8 @@ class LLM:
         final = {}
         for sp in params:
             if id(sp) not in final:
-                final[id(sp)] = replace(sp if sp is not None else SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
+                sp_or_default = sp if sp is not None else SamplingParams()
+                final[id(sp)] = replace(sp_or_default, output_kind=RequestOutputKind.FINAL_ONLY)
         params = [final[id(sp)] for sp in params]
         ids = []
         try:

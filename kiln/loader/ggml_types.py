@@ -47,7 +47,8 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 
 
 def ggml_type(type_id: int) -> tuple[str, int, int]:
-    """(name, weights a block, bytes a block) of a GGML tensor type; KeyError if nobody knows it."""
+    """(name, weights a block, bytes a block) of a GGML tensor type; ValueError (or KeyError: a
+    type without sizes) where neither this table nor the gguf package knows it."""
     if type_id in GGML_TYPES:
         return GGML_TYPES[type_id]
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
