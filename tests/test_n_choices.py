@@ -72,3 +72,15 @@ def test_without_prefix_caching_the_choices_run_side_by_side():
 def test_n_is_checked():
     with pytest.raises(ValueError, match=r"n must be an integer in \[1, 64\]"):
         SamplingParams(n=0)
+
+
+def test_a_request_s_metrics_merge_its_choices_times():
+    from kiln.engine.outputs import RequestMetrics
+
+    a = {"arrival": 0.0, "scheduled": 1.0, "first_token": 3.0, "last_token": 7.0, "finished": 8.0}
+    b = {"arrival": 0.0, "scheduled": 2.0, "first_token": 2.5, "last_token": 9.0}
+    m = RequestMetrics.merged(0.0, [a, b])
+    assert (m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time) == (1.0, 2.5, 9.0, None)
+    b["finished"] = 9.5  # finished when every choice is
+    assert RequestMetrics.merged(0.0, [a, b]).finished_time == 9.5
+    assert RequestMetrics.merged(0.0, [{"arrival": 0.0}, {"arrival": 0.0}]).first_token_time is None

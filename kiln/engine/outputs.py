@@ -41,6 +41,17 @@ class RequestMetrics:
     def time_in_queue(self) -> float | None:
         return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
+    @classmethod
+    def merged(cls, arrival: float, times: list[dict]) -> "RequestMetrics":
+        """A request of several choices: the first schedule and token of any, the last token of
+        any, finished when all are."""
+        def seen(name):
+            return [t[name] for t in times if name in t]
+
+        finished = seen("finished")
+        return cls(arrival, min(seen("scheduled"), default=None), min(seen("first_token"), default=None),
+                   max(seen("last_token"), default=None), max(finished) if len(finished) == len(times) else None)
+
 
 @dataclass
 class RequestOutput:
@@ -61,19 +72,12 @@ class RequestOutput:
         completions = [CompletionOutput(s.index, s.text, s.output_token_ids, s.cumulative_logprob,
                                         list(s.logprobs) if s.logprobs is not None else None,
                                         finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in seqs]
-        times = [s.times for s in seqs]
-
-        def earliest(name):
-            seen = [t[name] for t in times if name in t]
-            return min(seen) if seen else None
-
-        def latest(name):
-            seen = [t[name] for t in times if name in t]
-            return max(seen) if seen and len(seen) == len(times) else None
-
-        metrics = RequestMetrics(first.times["arrival"], earliest("scheduled"), earliest("first_token"),
-                                 max((t["last_token"] for t in times if "last_token" in t), default=None),
-                                 latest("finished"))
+        if len(seqs) == 1:  # one choice (most requests, every step): its own times, no merging
+            t = first.times
+            metrics = RequestMetrics(t["arrival"], t.get("scheduled"), t.get("first_token"), t.get("last_token"),
+                                     t.get("finished"))
+        else:
+            metrics = RequestMetrics.merged(first.times["arrival"], [s.times for s in seqs])
         return cls(first.request_id, first.prompt, first.prompt_token_ids, completions,
                    all(s.finished for s in seqs), metrics, sum(s.num_preemptions for s in seqs),
                    first.prompt_logprobs)
