@@ -149,8 +149,13 @@ def greedy_tokens(x: torch.Tensor) -> torch.Tensor:
     return argmax(x)
 
 
+def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor ready for a queued copy to `device` (pinned where that is a GPU)."""
+    return t.pin_memory() if device.type == "cuda" else t
+
+
 def _host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    return pinned(t, device).to(device, non_blocking=True)
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

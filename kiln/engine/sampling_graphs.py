@@ -26,16 +26,12 @@ import time
 import torch
 
 from kiln.cudagraph.pool import CudagraphPool
-from kiln.engine.sampler import SETTINGS, Cuts, sample_rows, seeds_of, settings_of
+from kiln.engine.sampler import SETTINGS, Cuts, pinned, sample_rows, seeds_of, settings_of
 from kiln.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("kiln")
 
 _PADDING = SamplingParams(temperature=0.0)  # rows past the batch: greedy, their token unused
-
-
-def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.pin_memory() if device.type == "cuda" else t
 
 
 class SamplingGraphs:
@@ -60,7 +56,7 @@ class SamplingGraphs:
         if key in self.failed:
             return None
         staged = settings_of(params + [_PADDING] * (bucket - n))
-        self.settings[:, :bucket].copy_(_pinned(staged, logits.device), non_blocking=True)
+        self.settings[:, :bucket].copy_(pinned(staged, logits.device), non_blocking=True)
         if self.pool is not None and key not in self.graphs:
             # Before the seeds: a capture that fails must leave the generators for the eager sampler.
             try:
@@ -75,7 +71,7 @@ class SamplingGraphs:
         seeds = [0] * bucket
         for i, seed in zip(sampled, seeds_of([generators[i] for i in sampled])):
             seeds[i] = seed
-        self.seeds[:bucket].copy_(_pinned(torch.tensor(seeds, dtype=torch.long), logits.device), non_blocking=True)
+        self.seeds[:bucket].copy_(pinned(torch.tensor(seeds, dtype=torch.long), logits.device), non_blocking=True)
         if self.pool is None:
             return sample_rows(logits, greedy, self.settings[:, :bucket], self.seeds[:bucket], cuts)[:n]
         graph, tokens = self.graphs[key]

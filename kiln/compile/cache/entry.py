@@ -283,13 +283,7 @@ class CacheEntry:
     @contextlib.contextmanager
     def compiler_dirs(self):
         """Inductor compiles into this entry's own cache dir (so the built .so files are here)."""
-        import torch._inductor.config
-        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-
-        # The base vector ISA is taken from the CPU's flags instead of probed with a compiler
-        # run and a subprocess per ISA; compile and load must agree, as the ISA is in the .so's name.
-        with temporary_cache_dir(str(self.path / INDUCTOR)), \
-                torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+        with _inductor_dir(self.path):
             if self.path not in _PROBED and str(self.manifest.get("device", "cpu")).startswith("cpu"):
                 _PROBED.add(self.path)
                 with self._timed("pieces.isa_probe"):
@@ -351,14 +345,23 @@ class CacheEntry:
 _PROBED: set[Path] = set()  # entries whose Inductor dir holds this process's ISA probes
 
 
+@contextlib.contextmanager
+def _inductor_dir(path: Path):
+    """Inductor's cache dir set to the entry at `path`'s own."""
+    import torch._inductor.config
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    # The base vector ISA is taken from the CPU's flags instead of probed with a compiler
+    # run and a subprocess per ISA; compile and load must agree, as the ISA is in the .so's name.
+    with temporary_cache_dir(str(path / INDUCTOR)), torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+        yield
+
+
 def probe_isa_in(path: Path) -> None:
     """The probes of the entry at `path` (what its compiler_dirs would run first), ahead of its
     warm start: the compile preload runs them while the weights load, since most of their time
     is spent waiting on a subprocess per ISA extension."""
-    import torch._inductor.config
-    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-
-    with temporary_cache_dir(str(path / INDUCTOR)), torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+    with _inductor_dir(path):
         probe_isa_here()
     _PROBED.add(path)
 
