@@ -23,8 +23,11 @@ from kiln import LLM, SamplingParams
 from kiln.compile.config import CompilationConfig
 
 # default: no compile flag (on a GPU the eager forward with full decode graphs, what kiln serve runs).
-MODES = {"default": dict(level=None), "eager -O0": dict(level=0), "compiled -O2": dict(level=2),
+MODES = {"default": dict(level=None), "default sample-in-graph": dict(level=None, sample_in_graph=True),
+         "eager -O0": dict(level=0), "compiled -O2": dict(level=2),
          "compiled -O2, no size asserts": dict(level=2, size_asserts=False)}
+# --sampled: what a chat client typically asks for (decode_vs_reference.py's CHAT_SAMPLING).
+CHAT_SAMPLING = dict(temperature=0.8, top_k=50, top_p=0.95)
 
 
 def sync(device):
@@ -51,7 +54,8 @@ def idle_gaps(prof, steps: int = 5, top: int = 8) -> dict:
                            "count_per_step": len(g) / steps, "max_us": max(g)} for (b, a), g in worst]}
 
 
-def run_mode(model, device, dtype, batch, context, level, size_asserts=True, top=8) -> dict:
+def run_mode(model, device, dtype, batch, context, level, size_asserts=True, top=8, sampling=None,
+             sample_in_graph=None) -> dict:
     import torch._inductor.config as inductor_config
 
     inductor_config.size_asserts = size_asserts
@@ -61,11 +65,11 @@ def run_mode(model, device, dtype, batch, context, level, size_asserts=True, top
     max_tokens = -(-batch * context // 2048) + 41
     llm = LLM(model, device=device, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=2048,
               max_model_len=context + max_tokens, num_kv_blocks=max(2048, batch * -(-(context + max_tokens) // 16)),
-              compilation=None if level is None else CompilationConfig.level(level))
+              compilation=None if level is None else CompilationConfig.level(level), sample_in_graph=sample_in_graph)
     engine = llm.engine
     vocab = engine.source.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(sampling or dict(temperature=0)))
     for _ in range(batch):
         engine.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(), params)
     sync(device)
@@ -114,13 +118,16 @@ def main():
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--top", type=int, default=8, help="kernels listed per mode")
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--sampled", action="store_true", help=f"sequences sample with {CHAT_SAMPLING} instead of greedy")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     a = p.parse_args()
     dtype = "bfloat16" if a.device == "cuda" else "float32"
     result = {"model": a.model, "device": a.device, "batch": a.batch, "context": a.context,
+              "sampling": CHAT_SAMPLING if a.sampled else None,
               "torch": torch.__version__, "modes": {}}
     for name, batch in ((n, b) for n in a.modes for b in a.batch):
-        r = run_mode(a.model, a.device, dtype, batch, a.context, top=a.top, **MODES[name])
+        r = run_mode(a.model, a.device, dtype, batch, a.context, top=a.top, sampling=CHAT_SAMPLING if a.sampled else None,
+                     **MODES[name])
         result["modes"][name if len(a.batch) == 1 else f"{name}, batch {batch}"] = r
         print(f"{name}, batch {batch}: prefill {r['prefill_tokens']} tokens in {r['prefill_s'] * 1e3:.0f} ms; decode step "
               f"{r['decode_step_ms']:.2f} ms wall, {r['device_kernel_ms_per_step']:.2f} ms of kernels, "
@@ -132,7 +139,7 @@ def main():
                       f"{g['before']} -> {g['after']}")
         for k in r["top_kernels"]:
             print(f"    {k['ms_per_step']:7.3f} ms  x{k['count_per_step']:5.0f}  {k['name']}")
-    suffix = "" if a.batch == [8] else "_b" + "_".join(map(str, a.batch))
+    suffix = ("" if a.batch == [8] else "_b" + "_".join(map(str, a.batch))) + ("_sampled" if a.sampled else "")
     out = Path(a.out) / f"profile_step_{a.model}_{a.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -32,10 +32,10 @@ CUSTOM_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_m
 CUSTOM_OP_BASES = ("all", "none")
 CUSTOM_OPS_EXAMPLE = '["none", "+rms_norm"]'
 CPU_STEP_SECONDS = 1.0  # max_step_seconds' default on the CPU
-# What sample_in_graph=None means on a GPU with full decode graphs: off until the sampling graphs'
-# GPU check (benchmarks/gpu_kernels.py check_sampling_graphs) has passed and the same-run sampled
-# decode benchmark shows them no slower at any batch size.
-SAMPLE_IN_GRAPH_BY_DEFAULT = False
+# What sample_in_graph=None means on a GPU with full decode graphs (one process): on since the
+# sampling graphs' GPU check (benchmarks/gpu_kernels.py check_sampling_graphs) passed and the
+# same-run sampled decode benchmark showed them no slower at any batch size (H100, 2026-12-05).
+SAMPLE_IN_GRAPH_BY_DEFAULT = True
 # The dtypes whose linear weights the CPU prepacks for oneDNN (kiln/ops/cpu/packed_linear.py).
 CPU_PACKED_LINEAR_DTYPES = (torch.bfloat16,)
 
@@ -208,7 +208,7 @@ class EngineConfig:
         p.add_argument("--sample-in-graph", action=argparse.BooleanOptionalAction, default=None,
                        help="sample decode steps (no logit_bias, penalties, min_tokens or grammar) in a CUDA graph "
                             "per batch size and set of cuts, captured when first needed (needs a GPU's full "
-                            "decode graphs; default: off)")
+                            "decode graphs; default: on where those run, in one process)")
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="share the KV blocks of a prompt's cached prefix instead of computing it again, and "
                             "keep finished requests' blocks until the memory is needed (default: on)")
