@@ -283,6 +283,27 @@ def check_gumbel_draws(rows: int = 20000) -> dict:
             "ok": inside and bool((freq - want).abs().max() < 0.02) and not argmax._counters(x.device).any()}
 
 
+def check_scaled_sampling(rows: int = 256) -> dict:
+    """The sampler's reads of unscaled logits on Llama 3's vocabulary: Gumbel-max dividing by each
+    row's temperature as it reads draws what it draws from the scaled rows written out (bit-equal
+    division), and kept_mass is within 1e-5 of torch's passes (Triton's exp, its own order)."""
+    from kiln.ops.triton import argmax
+    from kiln.ops.triton.kept_mass import kept_mass
+
+    x = torch.randn(rows, 128256, device=DEVICE) * 4
+    temperature = torch.rand(rows, 1, device=DEVICE) * 1.5 + 0.05
+    s = x / temperature
+    top = s.amax(dim=-1, keepdim=True)
+    tau = s.topk(1000, dim=-1).values[:, -1:]
+    seeds = torch.randint(0, 2**62, (rows,), device=DEVICE)
+    draws_equal = bool(torch.equal(argmax.gumbel_argmax(x, tau.reshape(-1), seeds, temperature.reshape(-1)),
+                                   argmax.gumbel_argmax(s, tau.reshape(-1), seeds)))
+    want = (s - top).exp().masked_fill(s < tau, 0).sum(dim=-1, keepdim=True)
+    rel = ((kept_mass(x, temperature, top, tau) - want).abs() / want).max().item()
+    return {"rows": rows, "draws_equal": draws_equal, "kept_mass_max_rel_err": rel,
+            "ok": draws_equal and rel < 1e-5}
+
+
 def check_sampling_graphs(bucket: int = 64) -> dict:
     """The engine's sampling CUDA graph (kiln.engine.sampling_graphs) against the eager sampler on
     the same logits, settings and seeds, for every kind of cut program: top-k + top-p + min-p
@@ -521,11 +542,13 @@ def check_and_time_kernels(out_dir) -> dict:
     report["attention_checks"] = attention
     report["cuda_graph_replay"] = check_cuda_graph_replay()
     report["gumbel_draws"] = check_gumbel_draws()
+    report["scaled_sampling"] = check_scaled_sampling()
     report["sampling_graphs"] = check_sampling_graphs()
     report["timings"] = {"decode_attention": time_decode_attention(), "elementwise": time_elementwise()}
     report["all_checks_ok"] = (all(r["ok"] for r in report["elementwise_checks"])
                                and report["write_kv_check"]["exact"] and report["attention_summary"]["all_ok"]
-                               and report["cuda_graph_replay"]["ok"] and report["gumbel_draws"]["ok"] and report["sampling_graphs"]["ok"])
+                               and report["cuda_graph_replay"]["ok"] and report["gumbel_draws"]["ok"] and report["scaled_sampling"]["ok"]
+                               and report["sampling_graphs"]["ok"])
     report["seconds"] = time.perf_counter() - start
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

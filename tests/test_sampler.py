@@ -158,8 +158,13 @@ def test_the_fixed_topk_width_cuts_where_the_batchs_largest_k_does():
         assert (gpu.sort, gpu.picks, cpu.picks) == ((True, 0, 2000) if extra and extra[0].top_k else
                                                      (False, sampler.TOP_K_SELECT_MAX, 1024))
         x = logits[: len(rows)] if len(rows) <= 6 else torch.cat([logits, logits[:1] - 1])
-        assert torch.equal(sampler.cut_threshold(x, gpu, min_p, top_k, top_p),
-                           sampler.cut_threshold(x, cpu, min_p, top_k, top_p))
+        assert torch.equal(sampler.cut_threshold(x, gpu, None, min_p, top_k, top_p),
+                           sampler.cut_threshold(x, cpu, None, min_p, top_k, top_p))
+        # Ranked unscaled and divided after: the thresholds of the scaled rows, bit for bit.
+        temperature = torch.linspace(0.3, 1.7, len(rows)).unsqueeze(-1)
+        for cuts in (gpu, cpu):
+            assert torch.equal(sampler.cut_threshold(x, cuts, temperature, min_p, top_k, top_p),
+                               sampler.cut_threshold(x / temperature, cuts, None, min_p, top_k, top_p))
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.999])
@@ -224,5 +229,5 @@ def test_the_memory_profiles_cuts_are_the_largest_program():
     cuts = sampler.Cuts.of(params, torch.device("cuda"))
     assert cuts == sampler.Cuts(min_p=True, top_k=True, top_p=True, sort=True, picks=0)
     _, min_p, top_p, top_k, _ = sampler.settings_of(params).unsqueeze(-1)
-    assert torch.equal(sampler.largest_cuts(x), sampler.cut_threshold(x, cuts, min_p, top_k, top_p))
+    assert torch.equal(sampler.largest_cuts(x), sampler.cut_threshold(x, cuts, None, min_p, top_k, top_p))
     assert sampler.largest_cuts(x).isfinite().all()

@@ -681,6 +681,40 @@ def test_attention_rejects_unsupported_inputs():
 # ---------------------------------------------------------------------------- GPU compilation, without a GPU
 
 
+def test_gumbel_argmax_scaled_as_read_draws_what_the_scaled_rows_draw():
+    """With a temperature the kernel divides as it reads, rounding as torch divides: the same
+    draws as from the scaled rows written out (a threshold landing exactly on a scaled value)."""
+    from kiln.ops.triton import argmax
+
+    logits = randn(6, 5000) * 4
+    temperature = torch.tensor([0.3, 0.7, 1.0, 1.3, 2.0, 0.05], device=DEVICE)
+    scaled = logits / temperature.unsqueeze(-1)
+    threshold = scaled.topk(40, dim=-1).values[:, -1]
+    seeds = torch.arange(6, device=DEVICE) * 977
+    assert torch.equal(argmax.gumbel_argmax(logits, threshold, seeds, temperature),
+                       argmax.gumbel_argmax(scaled, threshold, seeds))
+
+
+def test_kept_mass_sums_the_kept_softmax_mass_of_the_scaled_rows():
+    """Top-p's normaliser in one read: exp(x / T - top) over the scaled logits at or above the
+    threshold, against torch's passes; one chunk and several (with a ragged last), a threshold
+    keeping all (-inf), one exactly on a value, and a row of -inf (NaN, as torch gives)."""
+    from kiln.ops.triton.kept_mass import kept_mass
+
+    for width in (300, 2 * 4096 + 5):
+        x = randn(5, width) * 3
+        x[4] = float("-inf")
+        temperature = torch.tensor([[0.5], [1.0], [1.7], [0.8], [1.0]], device=DEVICE)
+        s = x / temperature
+        top = s.amax(dim=-1, keepdim=True)
+        tau = torch.stack([torch.tensor(float("-inf"), device=DEVICE), s[1].topk(7).values[-1], top[2, 0] - 2,
+                           s[3, width - 1], torch.tensor(float("-inf"), device=DEVICE)]).unsqueeze(-1)
+        want = (s - top).exp().masked_fill(s < tau, 0).sum(dim=-1, keepdim=True)
+        got = kept_mass(x, temperature, top, tau)
+        torch.testing.assert_close(got[:4], want[:4], rtol=1e-6, atol=0)
+        assert got[4].isnan().all() and want[4].isnan().all()
+
+
 def test_kernels_compile_for_sm90():
     """Compile each kernel to a cubin for sm_90 (H100/H200) in a process not in interpret mode."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -698,6 +732,7 @@ def _compile_all_for_sm90() -> None:
     from kiln.ops.triton.kernels import activation, attention, moe, norm, rotary
     from kiln.ops.triton.kernels import argmax as argmax_kernels
     from kiln.ops.triton.kernels import gemv as gemv_kernels
+    from kiln.ops.triton.kernels import kept_mass as kept_mass_kernels
 
     def build(kernel, args: dict, constants: dict, num_warps=4, num_stages=3):
         # Pointers and strides are marked 16-divisible, as the launcher marks real ones.
@@ -722,11 +757,14 @@ def _compile_all_for_sm90() -> None:
               dict(x_ptr=bf16, residual_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, new_residual_ptr=bf16,
                    x_row_stride=i32, residual_row_stride=i32, out_row_stride=i32, hidden_size=i32, eps=f32),
               dict(BLOCK=4096, UNIT_OFFSET=unit_offset), 16)
-    for gumbel in (False, True):
+    for gumbel, scaled in ((False, False), (True, False), (True, True)):
         build(argmax_kernels.argmax_kernel,
               dict(x_ptr="*fp32", out_ptr="*i64", part_value_ptr="*fp32", part_index_ptr="*i32", counter_ptr="*i32",
-                   width=i32, x_row_stride=i32, threshold_ptr="*fp32", seed_ptr="*i64"),
-              dict(BLOCK=4096, CHUNKS=32, GUMBEL=gumbel), 8)
+                   width=i32, x_row_stride=i32, threshold_ptr="*fp32", seed_ptr="*i64", temperature_ptr="*fp32"),
+              dict(BLOCK=4096, CHUNKS=32, GUMBEL=gumbel, SCALED=scaled), 8)
+    build(kept_mass_kernels.kept_mass_kernel,
+          dict(x_ptr="*fp32", temperature_ptr="*fp32", top_ptr="*fp32", threshold_ptr="*fp32", part_ptr="*fp32",
+               width=i32, x_row_stride=i32, chunks=i32), dict(BLOCK=4096), 8)
     for gelu_tanh in (False, True):
         build(activation.gated_activation_kernel, dict(x_ptr=bf16, out_ptr=bf16, x_row_stride=i32,
                                                        out_row_stride=i32, width=i32),

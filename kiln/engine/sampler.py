@@ -59,9 +59,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         chosen = [params[i] for i in rows]
         index = to_device(rows, torch.long, dev)
         temperature, min_p, top_p, top_k, _ = _host_to(settings_of(chosen), dev).unsqueeze(-1)
-        scaled = logits.index_select(0, index) / temperature
-        threshold = cut_threshold(scaled, Cuts.of(chosen, dev), min_p, top_k, top_p)
-        tokens.index_copy_(0, index, draw(scaled, threshold, [generators[i] for i in rows]))
+        x = logits.index_select(0, index)
+        if dev.type != "cuda":  # the CPU's draw reads the scaled logits: scale them once
+            x, temperature = x / temperature, None
+        threshold = cut_threshold(x, Cuts.of(chosen, dev), temperature, min_p, top_k, top_p)
+        tokens.index_copy_(0, index, draw(x, temperature, threshold, [generators[i] for i in rows]))
     return tokens
 
 
@@ -208,21 +210,23 @@ class Cuts:
         return cls(min_p=any(p.min_p > 0 for p in params), top_k=top_k, top_p=top_p, sort=sort, picks=picks)
 
 
-def cut_threshold(x: torch.Tensor, cuts: Cuts, min_p: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
-    """[rows, 1]: each row's smallest kept logit (-inf: all) after min_p, top_k and top_p ([rows, 1]
-    each, on x's device), in that order. min_p drops a token below min_p times the likeliest one's
-    probability; top-k keeps the k largest and any tied with the k-th; top-p keeps a token while
+def cut_threshold(x: torch.Tensor, cuts: Cuts, temperature: torch.Tensor | None, min_p: torch.Tensor,
+                  top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[rows, 1]: each row's smallest kept logit (-inf: all) of x / temperature (None: x is scaled)
+    after min_p, top_k and top_p ([rows, 1] each, on x's device), in that order. min_p drops a
+    token below min_p times the likeliest one's probability; top-k keeps the k largest and any tied with the k-th; top-p keeps a token while
     the tokens more likely than it hold less than top_p of what is left. Tied tokens stand or fall
     together, so every cut keeps the tokens at or above a threshold, and the order a sort gives
     equal values never matters. Nothing here depends on the values but through tensors: the same
-    launches for every batch with these `cuts`."""
-    ranked = None  # each row's largest logits, descending: all of them, or topk's picks
+    launches for every batch with these `cuts`. The scaled rows are never written out: dividing
+    by a positive temperature keeps the order, so x's ranking divided is the scaled ranking, value
+    for value."""
+    ranked = None  # each row's largest scaled logits, descending: all of them, or topk's picks
     if cuts.sort:
-        ranked = x.sort(dim=-1, descending=True).values
+        ranked = _scaled(x.sort(dim=-1, descending=True).values, temperature)
     elif cuts.picks:
-        ranked = x.topk(min(cuts.picks, x.shape[1]), dim=-1).values
-    top = ranked[:, :1] if ranked is not None else x.amax(dim=-1, keepdim=True)
+        ranked = _scaled(x.topk(min(cuts.picks, x.shape[1]), dim=-1).values, temperature)
+    top = ranked[:, :1] if ranked is not None else _scaled(x.amax(dim=-1, keepdim=True), temperature)
     tau = torch.full_like(top, float("-inf"))
     if cuts.min_p:  # p >= min_p * p_max  <=>  x >= max + log(min_p); log(0) = -inf keeps all
         tau = top + min_p.log()
@@ -233,8 +237,7 @@ def cut_threshold(x: torch.Tensor, cuts: Cuts, min_p: torch.Tensor, top_k: torch
     if cuts.top_p:
         weight = (ranked - top).exp().masked_fill(ranked < tau, 0)
         # What the cuts so far left: the sorted row's own sum; beyond topk's picks the whole row's.
-        left = weight.sum(dim=-1, keepdim=True) if cuts.sort else \
-            (x - top).exp().masked_fill(x < tau, 0).sum(dim=-1, keepdim=True)
+        left = weight.sum(dim=-1, keepdim=True) if cuts.sort else kept_mass(x, temperature, top, tau)
         share = weight / left
         # Kept: a prefix of the ranking (the top entry always). Its last logit is the threshold,
         # which keeps that logit's whole group of equals, as if ranked by the group's first entry.
@@ -244,14 +247,29 @@ def cut_threshold(x: torch.Tensor, cuts: Cuts, min_p: torch.Tensor, top_k: torch
     return tau
 
 
+def _scaled(x: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    return x if temperature is None else x / temperature
+
+
+def kept_mass(x: torch.Tensor, temperature: torch.Tensor | None, top: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """[rows, 1]: the sum of exp(s - top) over each row's scaled logits s = x / temperature at or
+    above tau; one Triton read of x on the GPU (kiln.ops.triton.kept_mass)."""
+    if x.device.type == "cuda":
+        from kiln.ops.triton.kept_mass import kept_mass as kept_mass_launch
+
+        return kept_mass_launch(x, temperature if temperature is not None else torch.ones_like(top), top, tau)
+    s = _scaled(x, temperature)
+    return (s - top).exp().masked_fill(s < tau, 0).sum(dim=-1, keepdim=True)
+
+
 def largest_cuts(logits: torch.Tensor) -> torch.Tensor:
     """The cuts at their most on `logits` (every cut on, whole rows sorted): for a memory profile,
     whose step must hold the largest temporaries sampling makes (at 256 rows of a 128k vocabulary
     some hundreds of MB). Torch ops only: nothing compiles."""
     params = [SamplingParams(min_p=0.01, top_k=TOP_K_SELECT_MAX + 1, top_p=0.9)] * logits.shape[0]
-    _, min_p, top_p, top_k, _ = _host_to(settings_of(params), logits.device).unsqueeze(-1)
+    temperature, min_p, top_p, top_k, _ = _host_to(settings_of(params), logits.device).unsqueeze(-1)
     cuts = Cuts(min_p=True, top_k=True, top_p=True, sort=True, picks=0)
-    return cut_threshold(logits / 1.0, cuts, min_p, top_k, top_p)
+    return cut_threshold(logits, cuts, temperature, min_p, top_k, top_p)
 
 
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, settings: torch.Tensor, seeds: torch.Tensor,
@@ -264,32 +282,37 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, settings: torch.Tens
     from kiln.ops.triton.argmax import gumbel_argmax
 
     temperature, min_p, top_p, top_k, is_greedy = settings.unsqueeze(-1)
-    scaled = logits / temperature
-    drawn = gumbel_argmax(scaled, cut_threshold(scaled, cuts, min_p, top_k, top_p).reshape(-1), seeds)
+    threshold = cut_threshold(logits, cuts, temperature, min_p, top_k, top_p)
+    drawn = gumbel_argmax(logits, threshold.reshape(-1), seeds, temperature.reshape(-1))
     return torch.where(is_greedy.squeeze(1) > 0, greedy, drawn)
 
 
-def draw(x: torch.Tensor, threshold: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row from softmax(x) over the logits at or above the row's threshold; a row
+def draw(x: torch.Tensor, temperature: torch.Tensor | None, threshold: torch.Tensor,
+         generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row from softmax(x / temperature) (None: x is scaled) over the scaled logits
+    at or above the row's threshold; a row
     with a generator draws from it alone, so its token does not depend on the rest of the batch
     (but for torch summing a row in another order at another batch size, which moves a top-p
     boundary that lies within rounding of a running sum)."""
     if x.device.type == "cpu":
+        x = _scaled(x, temperature)
         top = x.amax(dim=-1, keepdim=True)  # NaN where the row holds one
         drawn = _inverse_cdf((x - top).exp().masked_fill(x < threshold, 0), generators)
         # A row of -inf, or one holding inf or NaN, has no probabilities: it takes its argmax, as on the GPU.
         broken = ~top.squeeze(1).isfinite()
         return torch.where(broken, greedy_tokens(x), drawn) if broken.any() else drawn
-    return gumbel(x, threshold, generators)
+    return gumbel(x, temperature, threshold, generators)
 
 
-def gumbel(x: torch.Tensor, threshold: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def gumbel(x: torch.Tensor, temperature: torch.Tensor | None, threshold: torch.Tensor,
+           generators: list[torch.Generator | None]) -> torch.Tensor:
     """Gumbel-max in one Triton launch (kiln.ops.triton.argmax): the noise is Philox at (the row's
     seed, the column), so a GPU step draws nothing on the host but a seed a row: one from the row's
     own generator, or a fresh one."""
     from kiln.ops.triton.argmax import gumbel_argmax
 
-    return gumbel_argmax(x.contiguous(), threshold.reshape(-1), to_device(seeds_of(generators), torch.long, x.device))
+    return gumbel_argmax(x.contiguous(), threshold.reshape(-1), to_device(seeds_of(generators), torch.long, x.device),
+                         temperature.reshape(-1) if temperature is not None else None)
 
 
 def seeds_of(generators: list[torch.Generator | None]) -> list[int]:

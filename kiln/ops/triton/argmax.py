@@ -27,20 +27,25 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return _launch(x, None, None)
 
 
-def gumbel_argmax(x: torch.Tensor, threshold: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+def gumbel_argmax(x: torch.Tensor, threshold: torch.Tensor, seeds: torch.Tensor,
+                  temperature: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, width] fp32 logits, threshold [rows] fp32, seeds [rows] int64 -> int64 [rows]: per
     row a draw from softmax(x) over the columns at or above its threshold (Gumbel-max), the noise
-    a function of the row's seed and the column only."""
+    a function of the row's seed and the column only. With temperature [rows] fp32, the draw is
+    from x / temperature (threshold in those units), divided as it is read."""
     if x.dim() != 2 or x.stride(-1) != 1 or x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"gumbel_argmax takes rows with contiguous columns, got {tuple(x.shape)}")
     threshold, seeds = threshold.contiguous(), seeds.contiguous()
+    temperature = temperature.contiguous() if temperature is not None else None
     if x.shape[0] <= MAX_ROWS:
-        return _launch(x, threshold, seeds)
-    return torch.cat([_launch(x[i:i + MAX_ROWS], threshold[i:i + MAX_ROWS], seeds[i:i + MAX_ROWS])
+        return _launch(x, threshold, seeds, temperature)
+    return torch.cat([_launch(x[i:i + MAX_ROWS], threshold[i:i + MAX_ROWS], seeds[i:i + MAX_ROWS],
+                              temperature[i:i + MAX_ROWS] if temperature is not None else None)
                       for i in range(0, x.shape[0], MAX_ROWS)])
 
 
-def _launch(x: torch.Tensor, threshold: torch.Tensor | None, seeds: torch.Tensor | None) -> torch.Tensor:
+def _launch(x: torch.Tensor, threshold: torch.Tensor | None, seeds: torch.Tensor | None,
+            temperature: torch.Tensor | None = None) -> torch.Tensor:
     rows, width = x.shape
     chunks = triton.next_power_of_2(triton.cdiv(width, BLOCK))
     block = BLOCK if chunks > 1 else max(triton.next_power_of_2(width), 16)
@@ -50,7 +55,8 @@ def _launch(x: torch.Tensor, threshold: torch.Tensor | None, seeds: torch.Tensor
     gumbel = threshold is not None
     argmax_kernel[(rows, chunks)](x, out, part_value, part_index, _counters(x.device), width, x.stride(0),
                                   threshold if gumbel else x, seeds if gumbel else out,
-                                  BLOCK=block, CHUNKS=chunks, GUMBEL=gumbel, num_warps=8 if block >= 4096 else 4)
+                                  temperature if temperature is not None else x, BLOCK=block, CHUNKS=chunks,
+                                  GUMBEL=gumbel, SCALED=temperature is not None, num_warps=8 if block >= 4096 else 4)
     return out
 
 
