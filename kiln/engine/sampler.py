@@ -214,10 +214,10 @@ def cut_threshold(x: torch.Tensor, cuts: Cuts, temperature: torch.Tensor | None,
                   top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """[rows, 1]: each row's smallest kept logit (-inf: all) of x / temperature (None: x is scaled)
     after min_p, top_k and top_p ([rows, 1] each, on x's device), in that order. min_p drops a
-    token below min_p times the likeliest one's probability; top-k keeps the k largest and any tied with the k-th; top-p keeps a token while
-    the tokens more likely than it hold less than top_p of what is left. Tied tokens stand or fall
-    together, so every cut keeps the tokens at or above a threshold, and the order a sort gives
-    equal values never matters. Nothing here depends on the values but through tensors: the same
+    token below min_p times the likeliest one's probability; top-k keeps the k largest and any
+    tied with the k-th; top-p keeps a token while the tokens more likely than it hold less than
+    top_p of what is left. Tied tokens stand or fall together, so every cut keeps the tokens at
+    or above a threshold, and the order a sort gives equal values never matters. Nothing here depends on the values but through tensors: the same
     launches for every batch with these `cuts`. The scaled rows are never written out: dividing
     by a positive temperature keeps the order, so x's ranking divided is the scaled ranking, value
     for value."""
@@ -290,10 +290,9 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, settings: torch.Tens
 def draw(x: torch.Tensor, temperature: torch.Tensor | None, threshold: torch.Tensor,
          generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row from softmax(x / temperature) (None: x is scaled) over the scaled logits
-    at or above the row's threshold; a row
-    with a generator draws from it alone, so its token does not depend on the rest of the batch
-    (but for torch summing a row in another order at another batch size, which moves a top-p
-    boundary that lies within rounding of a running sum)."""
+    at or above the row's threshold; a row with a generator draws from it alone, so its token does
+    not depend on the rest of the batch (but for torch summing a row in another order at another
+    batch size, which moves a top-p boundary that lies within rounding of a running sum)."""
     if x.device.type == "cpu":
         x = _scaled(x, temperature)
         top = x.amax(dim=-1, keepdim=True)  # NaN where the row holds one
