@@ -186,16 +186,21 @@ def test_the_running_sum_never_draws_a_token_without_a_share(u, monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["gumbel", "running sum"])
-def test_rows_without_probabilities_take_their_argmax(method, monkeypatch):
+@pytest.mark.parametrize("cuts", [{}, {"min_p": 0.1}, {"top_p": 0.5}, {"top_k": 3, "min_p": 0.2, "top_p": 0.9}])
+def test_rows_without_probabilities_take_their_argmax(method, cuts, monkeypatch):
     """A row of -inf (a grammar allowing only a token min_tokens masks), or one holding inf or NaN
-    (a broken model), draws its argmax on both devices rather than an arbitrary token."""
+    (a broken model), draws its argmax on both devices rather than an arbitrary token, with or
+    without cuts of its own, and beside a row whose cuts the batch's program runs (min_p's and
+    top-p's arithmetic on inf gives NaN thresholds, which kept nothing on the GPU: column 0)."""
     if method == "gumbel":
         monkeypatch.setattr(sampler, "draw", sampler.gumbel)
-    x = torch.zeros(3, 10)
+    x = torch.zeros(4, 10)
     x[0] = float("-inf")
     x[1, 2] = float("inf")
     x[2, 4] = float("nan")
-    assert sample(x, [SamplingParams()] * 3, [None] * 3).tolist() == [0, 2, 4]
+    x[3] = torch.linspace(-1, 1, 10)
+    for params in ([SamplingParams(**cuts)] * 4, [SamplingParams()] * 3 + [SamplingParams(**cuts)]):
+        assert sample(x, params, [None] * 4).tolist()[:3] == [0, 2, 4]
 
 
 def test_gumbel_draws_past_the_kernels_row_limit(monkeypatch):

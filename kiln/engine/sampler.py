@@ -244,7 +244,9 @@ def cut_threshold(x: torch.Tensor, cuts: Cuts, temperature: torch.Tensor | None,
         kept = (share.cumsum(dim=-1) - share < top_p) & (share > 0)
         last = ranked.gather(1, (kept.sum(dim=-1, keepdim=True) - 1).clamp(min=0))
         tau = torch.maximum(tau, torch.where(top_p < 1, last, float("-inf")))
-    return tau
+    # A row holding inf or NaN (a broken model) gets NaN from the arithmetic above, which would
+    # keep nothing (the draw's first column); it cuts nothing, and the draw takes its argmax.
+    return tau.masked_fill(tau.isnan(), float("-inf"))
 
 
 def _scaled(x: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
