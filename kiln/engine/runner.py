@@ -24,7 +24,8 @@ from kiln.compile.triton_precompile import KernelCompiler, MissingKernels, trito
 from kiln.config import DEFAULT_FORWARD_REASON, SAMPLE_IN_GRAPH_BY_DEFAULT, EngineConfig
 from kiln.cudagraph import CudagraphChoice, CudagraphDispatcher, ForwardCudagraphs, PackedStep, StepBuffers
 from kiln.engine.logprobs import Logprob, TokenLogprobs
-from kiln.engine.sampler import RowHistory, greedy_tokens, largest_cuts, needs_history, plain, sample, to_device
+from kiln.engine.sampler import (RowHistory, greedy_tokens, host_to, largest_cuts, needs_history, plain, sample,
+                                 to_device)
 from kiln.engine.sampling_graphs import SamplingGraphs
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import ScheduledBatch
@@ -495,8 +496,7 @@ class ModelRunner:
         matchers = [s.matcher for s in seqs]
         allowed = None
         if any(m is not None for m in matchers):  # structured output: what each grammar allows next
-            allowed = token_bitmask(matchers, logits.shape[1])
-            allowed = allowed.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else allowed
+            allowed = host_to(token_bitmask(matchers, logits.shape[1]), self.device)
         tokens = sample(logits, params, [s.generator for s in seqs], history, in_flight, allowed, greedy)
         return self._launched(seqs, logits, tokens, prompt_logprobs)
 

@@ -58,7 +58,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         dev = logits.device
         chosen = [params[i] for i in rows]
         index = to_device(rows, torch.long, dev)
-        temperature, min_p, top_p, top_k, _ = _host_to(settings_of(chosen), dev).unsqueeze(-1)
+        temperature, min_p, top_p, top_k, _ = host_to(settings_of(chosen), dev).unsqueeze(-1)
         x = logits.index_select(0, index)
         if dev.type != "cuda":  # the CPU's draw reads the scaled logits: scale them once
             x, temperature = x / temperature, None
@@ -113,7 +113,7 @@ def _penalise(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
     out = torch.full((len(rows), width), vocab, dtype=torch.long)
     for j, i in enumerate(rows):
         out[j, : len(history[i].output)] = torch.tensor(history[i].output, dtype=torch.long)
-    out = _host_to(out, dev)
+    out = host_to(out, dev)
     pending = [(j, history[i].pending) for j, i in enumerate(rows) if history[i].pending is not None]
     if pending:
         where = to_device([j for j, _ in pending], torch.long, dev)
@@ -128,7 +128,7 @@ def _penalise(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
         prompt = torch.full((len(rows), width), vocab, dtype=torch.long)
         for j, i in enumerate(rows):
             prompt[j, : len(history[i].prompt)] = torch.tensor(history[i].prompt, dtype=torch.long)
-        prompt = _host_to(prompt, dev)
+        prompt = host_to(prompt, dev)
         seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev)
         seen.scatter_(1, prompt, True)
         seen = seen[:, :vocab] | (counts > 0)
@@ -156,7 +156,8 @@ def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory() if device.type == "cuda" else t
 
 
-def _host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` by a queued copy (the tensor itself where that is the CPU)."""
     return pinned(t, device).to(device, non_blocking=True)
 
 
@@ -164,7 +165,7 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     """A host list on `device` without waiting for the GPU: a plain copy from pageable memory
     synchronises the stream; one from pinned memory is queued (torch keeps the staging alive
     until it has run)."""
-    return _host_to(torch.tensor(values, dtype=dtype), device)
+    return host_to(torch.tensor(values, dtype=dtype), device)
 
 
 # Up to this top_k, the tokens top-p ranks are topk's picks; past it (or without top-k) the row is sorted.
@@ -269,7 +270,7 @@ def largest_cuts(logits: torch.Tensor) -> torch.Tensor:
     whose step must hold the largest temporaries sampling makes (at 256 rows of a 128k vocabulary
     some hundreds of MB). Torch ops only: nothing compiles."""
     params = [SamplingParams(min_p=0.01, top_k=TOP_K_SELECT_MAX + 1, top_p=0.9)] * logits.shape[0]
-    temperature, min_p, top_p, top_k, _ = _host_to(settings_of(params), logits.device).unsqueeze(-1)
+    temperature, min_p, top_p, top_k, _ = host_to(settings_of(params), logits.device).unsqueeze(-1)
     cuts = Cuts(min_p=True, top_k=True, top_p=True, sort=True, picks=0)
     return cut_threshold(logits, cuts, temperature, min_p, top_k, top_p)
 
