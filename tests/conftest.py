@@ -159,3 +159,14 @@ def app_client():
                 break
             time.sleep(0.05)
         yield client
+
+
+@pytest.fixture
+def gpu_draw(monkeypatch):
+    """The sampler draws as on the GPU (Gumbel-max, its Triton kernel interpreted), with none of
+    the CPU's own ways (draw_from_picks: a top-k batch's inverse CDF over its picks)."""
+    from kiln.engine import sampler
+
+    monkeypatch.setattr(sampler, "draw", sampler.gumbel)
+    monkeypatch.setattr(sampler, "draw_from_picks", lambda *args: None)
+

@@ -80,14 +80,14 @@ def _running_sum_by_the_book(probs, generator):
 
 @pytest.mark.parametrize("method", ["gumbel", "running sum"])
 @pytest.mark.parametrize("coarse", [False, True])
-def test_top_k_and_top_p_draw_what_the_rules_say_with_tied_logits(coarse, method, monkeypatch):
+def test_top_k_and_top_p_draw_what_the_rules_say_with_tied_logits(coarse, method, request):
     """bf16-rounded logits tie often (at the k-th one too), rounded ones in long runs. The CPU's
     running sum: every seeded draw equals the plain rules' draw from the same generator. The GPU's
     Gumbel-max (its Triton kernel, interpreted here): every draw is a token the rules keep. Both:
     a seeded row draws the same token alone or batched beside rows that change the batch's largest
     k or its way of cutting (a row without top-k sorts)."""
     if method == "gumbel":  # the GPU's draw, here on the CPU
-        monkeypatch.setattr(sampler, "draw", sampler.gumbel)
+        request.getfixturevalue("gpu_draw")
     torch.manual_seed(0)
     logits = (torch.randn(8, 3000) * 3).to(torch.bfloat16).float()
     if coarse:
@@ -109,12 +109,12 @@ def test_top_k_and_top_p_draw_what_the_rules_say_with_tied_logits(coarse, method
             assert drawn.tolist() == [alone[i] for i in rows]
 
 
-def test_the_graph_program_draws_what_the_sampler_draws(monkeypatch):
+def test_the_graph_program_draws_what_the_sampler_draws(request):
     """sample_rows (what a decode step's sampling CUDA graph captures: every row's settings and
     seed in tensors, greedy rows and padding among them, topk at the GPU's fixed width) against
     sample() with the Gumbel draw (interpreted here) on the same tied logits: the same tokens, the
     same seeds consumed; greedy and padding rows take the argmax they are given."""
-    monkeypatch.setattr(sampler, "draw", sampler.gumbel)
+    request.getfixturevalue("gpu_draw")
     torch.manual_seed(1)
     logits = (torch.randn(10, 3000) * 3).to(torch.bfloat16).float()
     cases = [(50, 0.95, 0), (0, 1.0, 0), (0, 0.9, 0.05), (7, 0.5, 0.1), (1000, 0.99, 0.01), (1, 1.0, 0),
@@ -142,6 +142,50 @@ def test_the_graph_program_draws_what_the_sampler_draws(monkeypatch):
     without_sort = [p for p in params if p.top_k > 0 or p.top_p == 1]
     assert sampler.Cuts.of(without_sort, torch.device("cuda")).picks == sampler.TOP_K_SELECT_MAX
     assert sampler.Cuts.of(without_sort, torch.device("cpu")).picks == 1000
+
+
+def test_the_cpu_draws_a_top_k_batch_from_its_picks_as_from_whole_rows(monkeypatch):
+    """draw_from_picks (a CPU batch whose every row has a top-k) gives the whole-row draw's
+    tokens, seeded or not, on fp32, bf16-rounded and coarsely tied logits; a row whose ties with
+    its k-th reach past the picks, or that holds inf, sends the batch to the whole-row draw."""
+    whole_rows = []
+    picks = sampler.draw_from_picks
+
+    def recorded(*args):
+        drawn = picks(*args)
+        whole_rows.append(drawn is None)
+        return drawn
+
+    monkeypatch.setattr(sampler, "draw_from_picks", recorded)
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(12):
+        logits = torch.randn(8, 3000, generator=gen) * 3
+        if trial % 3:
+            logits = logits.to(torch.bfloat16).float()
+        if trial % 3 == 2:
+            logits = (logits / 2).round()
+        params = [SamplingParams(top_k=int(torch.randint(1, 300, (1,), generator=gen)),
+                                 top_p=(1.0, 0.9, 0.5)[i % 3], min_p=(0.0, 0.05)[i % 2],
+                                 temperature=0.3 + float(torch.rand(1, generator=gen)), seed=i if i % 2 else None)
+                  for i in range(8)]
+        seeds = [trial * 10 + i for i in range(8)]
+        torch.manual_seed(trial)
+        fast = sample(logits, params, [torch.Generator().manual_seed(s) for s in seeds])
+        with monkeypatch.context() as m:
+            m.setattr(sampler, "draw_from_picks", lambda *a: None)
+            torch.manual_seed(trial)
+            whole = sample(logits, params, [torch.Generator().manual_seed(s) for s in seeds])
+        assert fast.tolist() == whole.tolist()
+    assert whole_rows.count(False) >= 8  # most batches drew from their picks
+    logits = torch.full((2, 3000), -1.0)
+    logits[:, :10] = torch.arange(11.0, 1.0, -1.0)
+    logits[0, 10:700] = 1.0  # the 20th logit is one of 690 equal ones: past the picks
+    logits[1, 5] = float("inf")
+    for row in range(2):
+        whole_rows.clear()
+        token = sample(logits[row:row + 1], [SamplingParams(top_k=20)], [torch.Generator().manual_seed(1)]).item()
+        assert whole_rows == [True]
+        assert token in (range(700) if row == 0 else [5])
 
 
 def test_the_fixed_topk_width_cuts_where_the_batchs_largest_k_does():
@@ -187,13 +231,13 @@ def test_the_running_sum_never_draws_a_token_without_a_share(u, monkeypatch):
 
 @pytest.mark.parametrize("method", ["gumbel", "running sum"])
 @pytest.mark.parametrize("cuts", [{}, {"min_p": 0.1}, {"top_p": 0.5}, {"top_k": 3, "min_p": 0.2, "top_p": 0.9}])
-def test_rows_without_probabilities_take_their_argmax(method, cuts, monkeypatch):
+def test_rows_without_probabilities_take_their_argmax(method, cuts, request):
     """A row of -inf (a grammar allowing only a token min_tokens masks), or one holding inf or NaN
     (a broken model), draws its argmax on both devices rather than an arbitrary token, with or
     without cuts of its own, and beside a row whose cuts the batch's program runs (min_p's and
     top-p's arithmetic on inf gives NaN thresholds, which kept nothing on the GPU: column 0)."""
     if method == "gumbel":
-        monkeypatch.setattr(sampler, "draw", sampler.gumbel)
+        request.getfixturevalue("gpu_draw")
     x = torch.zeros(4, 10)
     x[0] = float("-inf")
     x[1, 2] = float("inf")
@@ -214,13 +258,12 @@ def test_gumbel_draws_past_the_kernels_row_limit(monkeypatch):
     assert drawn.tolist() == list(range(10))
 
 
-def test_a_zero_uniform_does_not_lose_the_only_kept_token(monkeypatch):
+def test_a_zero_uniform_does_not_lose_the_only_kept_token(monkeypatch, gpu_draw):
     """Philox can give u = 0 exactly (noise -inf): the row's only kept token must still win."""
     import triton.language as tl
 
     rand = tl.rand
     monkeypatch.setattr(tl, "rand", lambda seed, offsets: tl.where(offsets == 7, 0.0, rand(seed, offsets)))
-    monkeypatch.setattr(sampler, "draw", sampler.gumbel)
     x = torch.full((1, 20), float("-inf"))
     x[0, 7] = 2.0
     assert sample(x, [SamplingParams()], [None]).item() == 7

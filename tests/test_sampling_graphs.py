@@ -8,12 +8,10 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.engine import runner as runner_module
-from kiln.engine import sampler
 from kiln.engine.sampling_graphs import SamplingGraphs
 
 
-def test_graph_path_tokens_equal_the_eager_samplers_and_unplain_batches_stay_eager(monkeypatch):
-    monkeypatch.setattr(sampler, "draw", sampler.gumbel)
+def test_graph_path_tokens_equal_the_eager_samplers_and_unplain_batches_stay_eager(monkeypatch, gpu_draw):
     llm = LLM("tiny-llama", device="cpu", dtype="float32", max_num_seqs=4, max_model_len=64, num_kv_blocks=64)
     runner = llm.engine.runner
     assert runner.sampling_graphs is None  # off by default, and the CPU has no graphs
