@@ -5,12 +5,12 @@ and kiln's long-prompt prefill (a benchmark, not a test).
 
 The workload of issue #20: SmolLM2-135M-Instruct, 16 chat prompts x 64 forced tokens (greedy, or
 chat sampling with --sampling chat; EOS ignored), 3 batches a run, then one prompt alone; every
-run a fresh process, the engines and modes taking turns. The prompts are the same token ids for both engines (kiln's chat
-template). vLLM reads an HF folder that transformers writes from the embedded GGUF (the weights
-kiln dequantizes). Each engine's compile cache starts empty in the first run of a mode (cold)
-and is kept for its later runs (warm); kiln's C++ CPU attention is built first (what `kiln
-prewarm` or an install does). Without --vllm-python (or vllm importable here), only
-kiln runs.
+run a fresh process, the engines and modes taking turns. The prompts are the same token ids
+for both engines (kiln's chat template). vLLM reads an HF folder that transformers writes from
+the embedded GGUF (the weights kiln dequantizes). Each engine's compile cache starts empty in
+the first run of a mode (cold) and is kept for its later runs (warm); kiln's C++ CPU attention
+is built first (what `kiln prewarm` or an install does). Without --vllm-python (or vllm
+importable here), only kiln runs.
 
 Also, kiln only: one ~8k-token prompt prefilled (--long-prompt tokens, a single output token)
 in each dtype, with the default chunking and with --max-num-batched-tokens 8192, its time and
@@ -198,7 +198,8 @@ def main() -> None:
     for run in range(args.runs):
         for dtype in args.dtypes:
             for engine, mode in engines:
-                job = {"engine": engine, "mode": mode, "dtype": dtype, "prompts": str(prompts), "sampling": args.sampling,
+                job = {"engine": engine, "mode": mode, "dtype": dtype, "prompts": str(prompts),
+                       "sampling": args.sampling,
                        "hf_folder": str(work / "smollm2-hf"), "cwd": str(work)}
                 python = vllm_python if engine == "vllm" else sys.executable
                 r = spawn(python, job, env, args.timeout)

@@ -547,8 +547,8 @@ def check_and_time_kernels(out_dir) -> dict:
     report["timings"] = {"decode_attention": time_decode_attention(), "elementwise": time_elementwise()}
     report["all_checks_ok"] = (all(r["ok"] for r in report["elementwise_checks"])
                                and report["write_kv_check"]["exact"] and report["attention_summary"]["all_ok"]
-                               and report["cuda_graph_replay"]["ok"] and report["gumbel_draws"]["ok"] and report["scaled_sampling"]["ok"]
-                               and report["sampling_graphs"]["ok"])
+                               and report["cuda_graph_replay"]["ok"] and report["gumbel_draws"]["ok"]
+                               and report["scaled_sampling"]["ok"] and report["sampling_graphs"]["ok"])
     report["seconds"] = time.perf_counter() - start
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

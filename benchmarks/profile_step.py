@@ -126,8 +126,8 @@ def main():
               "sampling": CHAT_SAMPLING if a.sampled else None,
               "torch": torch.__version__, "modes": {}}
     for name, batch in ((n, b) for n in a.modes for b in a.batch):
-        r = run_mode(a.model, a.device, dtype, batch, a.context, top=a.top, sampling=CHAT_SAMPLING if a.sampled else None,
-                     **MODES[name])
+        r = run_mode(a.model, a.device, dtype, batch, a.context, top=a.top,
+                     sampling=CHAT_SAMPLING if a.sampled else None, **MODES[name])
         result["modes"][name if len(a.batch) == 1 else f"{name}, batch {batch}"] = r
         print(f"{name}, batch {batch}: prefill {r['prefill_tokens']} tokens in {r['prefill_s'] * 1e3:.0f} ms; decode step "
               f"{r['decode_step_ms']:.2f} ms wall, {r['device_kernel_ms_per_step']:.2f} ms of kernels, "

@@ -226,10 +226,10 @@ def cut_threshold(x: torch.Tensor, cuts: Cuts, temperature: torch.Tensor | None,
     token below min_p times the likeliest one's probability; top-k keeps the k largest and any
     tied with the k-th; top-p keeps a token while the tokens more likely than it hold less than
     top_p of what is left. Tied tokens stand or fall together, so every cut keeps the tokens at
-    or above a threshold, and the order a sort gives equal values never matters. Nothing here depends on the values but through tensors: the same
-    launches for every batch with these `cuts`. The scaled rows are never written out: dividing
-    by a positive temperature keeps the order, so x's ranking divided is the scaled ranking, value
-    for value."""
+    or above a threshold, and the order a sort gives equal values never matters. Nothing here
+    depends on the values but through tensors: the same launches for every batch with these
+    `cuts`. The scaled rows are never written out: dividing by a positive temperature keeps the
+    order, so x's ranking divided is the scaled ranking, value for value."""
     ranked = None  # each row's largest scaled logits, descending: all of them, or topk's picks
     if cuts.sort:
         ranked = _scaled(x.sort(dim=-1, descending=True).values, temperature)
