@@ -181,6 +181,8 @@ def test_the_cpu_draws_a_top_k_batch_from_its_picks_as_from_whole_rows(monkeypat
     logits[:, :10] = torch.arange(11.0, 1.0, -1.0)
     logits[0, 10:700] = 1.0  # the 20th logit is one of 690 equal ones: past the picks
     logits[1, 5] = float("inf")
+    # A top-k past the vocabulary ranks every logit.
+    assert sample(logits[:1], [SamplingParams(top_k=5000)], [None]).item() in range(3000)
     for row in range(2):
         whole_rows.clear()
         token = sample(logits[row:row + 1], [SamplingParams(top_k=20)], [torch.Generator().manual_seed(1)]).item()

@@ -339,7 +339,7 @@ def draw_from_picks(x: torch.Tensor, max_k: int, temperature: torch.Tensor, min_
     # (sort=True), which is the whole row's where nothing kept lies past them.
     cuts = Cuts(min_p=bool((min_p > 0).any()), top_k=True, top_p=bool((top_p < 1).any()), sort=True, picks=0)
     tau = cut_threshold(scaled, cuts, None, min_p, top_k, top_p)
-    top, kth = scaled[:, :1], scaled.gather(1, top_k.long() - 1)
+    top, kth = scaled[:, :1], scaled.gather(1, top_k.long().clamp(max=width) - 1)
     # Past the picks every logit is at most the last pick's: below each row's k-th, none is kept,
     # nor weighs in top-p's normaliser (what min_p and top-k kept: at least the k-th).
     if not bool(top.isfinite().all()) or (width < x.shape[1] and bool((scaled[:, -1:] >= kth).any())):
