@@ -144,10 +144,11 @@ def test_the_graph_program_draws_what_the_sampler_draws(request):
     assert sampler.Cuts.of(without_sort, torch.device("cpu")).picks == 1000
 
 
-def test_the_cpu_draws_a_top_k_batch_from_its_picks_as_from_whole_rows(monkeypatch):
-    """draw_from_picks (a CPU batch whose every row has a top-k) gives the whole-row draw's
-    tokens, seeded or not, on fp32, bf16-rounded and coarsely tied logits; a row whose ties with
-    its k-th reach past the picks, or that holds inf, sends the batch to the whole-row draw."""
+def test_the_cpu_draws_a_top_k_or_top_p_batch_from_its_picks_as_from_whole_rows(monkeypatch):
+    """draw_from_picks (a CPU batch whose every row has a top-k or a top-p) gives the whole-row
+    draw's tokens, seeded or not, on fp32, bf16-rounded and coarsely tied logits, with top-k on
+    every row, on some, or on none; a row whose ties with its k-th, or whose top-p, reach past the
+    picks, or that holds inf, sends the batch to the whole-row draw."""
     whole_rows = []
     picks = sampler.draw_from_picks
 
@@ -158,15 +159,19 @@ def test_the_cpu_draws_a_top_k_batch_from_its_picks_as_from_whole_rows(monkeypat
 
     monkeypatch.setattr(sampler, "draw_from_picks", recorded)
     gen = torch.Generator().manual_seed(3)
-    for trial in range(12):
+    for trial in range(24):
         logits = torch.randn(8, 3000, generator=gen) * 3
         if trial % 3:
             logits = logits.to(torch.bfloat16).float()
         if trial % 3 == 2:
             logits = (logits / 2).round()
-        params = [SamplingParams(top_k=int(torch.randint(1, 300, (1,), generator=gen)),
-                                 top_p=(1.0, 0.9, 0.5)[i % 3], min_p=(0.0, 0.05)[i % 2],
-                                 temperature=0.3 + float(torch.rand(1, generator=gen)), seed=i if i % 2 else None)
+        # Every row a top-k; some rows top-p alone; every row top-p alone (a model's peaked rows
+        # at low temperature, whose top-p fits the picks, and flatter ones, whose does not).
+        with_k = (lambda i: True, lambda i: i % 3 != 1, lambda i: False)[trial // 8]
+        params = [SamplingParams(top_k=int(torch.randint(1, 300, (1,), generator=gen)) if with_k(i) else 0,
+                                 top_p=(0.9, 0.5, 0.95)[i % 3] if not with_k(i) else (1.0, 0.9, 0.5)[i % 3],
+                                 min_p=(0.0, 0.05)[i % 2], seed=i if i % 2 else None,
+                                 temperature=(0.1 if trial % 2 else 0.6) + float(torch.rand(1, generator=gen)))
                   for i in range(8)]
         seeds = [trial * 10 + i for i in range(8)]
         torch.manual_seed(trial)
@@ -176,7 +181,8 @@ def test_the_cpu_draws_a_top_k_batch_from_its_picks_as_from_whole_rows(monkeypat
             torch.manual_seed(trial)
             whole = sample(logits, params, [torch.Generator().manual_seed(s) for s in seeds])
         assert fast.tolist() == whole.tolist()
-    assert whole_rows.count(False) >= 8  # most batches drew from their picks
+    assert whole_rows[:8].count(False) >= 6 and whole_rows[8:].count(False) >= 4  # both kinds drew from picks
+    assert whole_rows[8:].count(True) >= 2  # and some top-p reached past them
     logits = torch.full((2, 3000), -1.0)
     logits[:, :10] = torch.arange(11.0, 1.0, -1.0)
     logits[0, 10:700] = 1.0  # the 20th logit is one of 690 equal ones: past the picks

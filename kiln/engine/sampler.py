@@ -64,8 +64,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         temperature, min_p, top_p, top_k, _ = host_to(settings_of(chosen), dev).unsqueeze(-1)
         x = logits if len(rows) == len(params) else logits.index_select(0, index)
         drawn = None
-        if dev.type == "cpu" and all(p.top_k > 0 for p in chosen):
-            drawn = draw_from_picks(x, max(p.top_k for p in chosen), temperature, min_p, top_k, top_p, gens)
+        if dev.type == "cpu" and all(p.top_k > 0 or p.top_p < 1 for p in chosen):
+            drawn = draw_from_picks(x, chosen, temperature, min_p, top_k, top_p, gens)
         if drawn is None:
             if dev.type != "cuda":  # the CPU's draw reads the scaled logits: scale them once
                 x, temperature = x / temperature, None
@@ -236,6 +236,18 @@ def cut_threshold(x: torch.Tensor, cuts: Cuts, temperature: torch.Tensor | None,
     elif cuts.picks:
         ranked = _scaled(x.topk(min(cuts.picks, x.shape[1]), dim=-1).values, temperature)
     top = ranked[:, :1] if ranked is not None else _scaled(x.amax(dim=-1, keepdim=True), temperature)
+    # What the cuts before top-p left: the sorted row's own sum; beyond topk's picks the whole row's.
+    if cuts.sort:
+        return cuts_on(ranked, top, cuts, min_p, top_k, top_p, lambda weight, tau: weight.sum(dim=-1, keepdim=True))
+    return cuts_on(ranked, top, cuts, min_p, top_k, top_p, lambda weight, tau: kept_mass(x, temperature, top, tau))
+
+
+def cuts_on(ranked: torch.Tensor | None, top: torch.Tensor, cuts: Cuts, min_p: torch.Tensor, top_k: torch.Tensor,
+            top_p: torch.Tensor, mass) -> torch.Tensor:
+    """cut_threshold's thresholds from each row's ranking (its largest scaled logits, descending;
+    None where no cut reads one) and largest scaled logit `top` ([rows, 1]); mass(weight, tau) ->
+    [rows, 1]: what min_p and top-k left of the whole row, given the ranking's weights and that
+    threshold."""
     tau = torch.full_like(top, float("-inf"))
     if cuts.min_p:  # p >= min_p * p_max  <=>  x >= max + log(min_p); log(0) = -inf keeps all
         tau = top + min_p.log()
@@ -245,9 +257,7 @@ def cut_threshold(x: torch.Tensor, cuts: Cuts, temperature: torch.Tensor | None,
         tau = torch.maximum(tau, torch.where(k > 0, kth, float("-inf")))
     if cuts.top_p:
         weight = (ranked - top).exp().masked_fill(ranked < tau, 0)
-        # What the cuts so far left: the sorted row's own sum; beyond topk's picks the whole row's.
-        left = weight.sum(dim=-1, keepdim=True) if cuts.sort else kept_mass(x, temperature, top, tau)
-        share = weight / left
+        share = weight / mass(weight, tau)
         # Kept: a prefix of the ranking (the top entry always). Its last logit is the threshold,
         # which keeps that logit's whole group of equals, as if ranked by the group's first entry.
         kept = (share.cumsum(dim=-1) - share < top_p) & (share > 0)
@@ -315,34 +325,42 @@ def draw(x: torch.Tensor, temperature: torch.Tensor | None, threshold: torch.Ten
 
 
 # draw_from_picks ranks this many logits past a batch's largest top_k (rounded up to a multiple of
-# PICKS_MULTIPLE), to see that no token tied with a k-th lies beyond them.
+# PICKS_MULTIPLE), to see that no token tied with a k-th lies beyond them; at least TOP_P_PICKS
+# where a row has top-p and no top-k (a model's top-p 0.95 rarely reaches that far).
 PICKS_SLACK = 32
+TOP_P_PICKS = 256
 # torch's CPU exp takes a scalar path for a loop's last partial vectors: candidate rows a multiple of
 # this long are computed vector by vector, as whole vocabulary rows are, so every weight is the same.
 PICKS_MULTIPLE = 64
 
 
-def draw_from_picks(x: torch.Tensor, max_k: int, temperature: torch.Tensor, min_p: torch.Tensor,
+def draw_from_picks(x: torch.Tensor, params: list[SamplingParams], temperature: torch.Tensor, min_p: torch.Tensor,
                     top_k: torch.Tensor, top_p: torch.Tensor,
                     generators: list[torch.Generator | None]) -> torch.Tensor | None:
-    """The CPU's draw for a batch whose every row has a top-k, from each row's largest logits
-    alone: the tokens draw() gives over whole rows (the same weights, the same running sums in
-    vocabulary order, the same uniform draws; top-p's normaliser summed over fewer zeros, so a
-    boundary within fp32 rounding of it may fall otherwise), at 16 x 49,152 ~1 ms against ~8 of
-    passes over whole rows. None, nothing drawn from the generators, where a row's kept tokens
-    may reach past the picks (ties with its k-th beyond them) or it holds inf or NaN: the caller
-    draws over whole rows then."""
-    width = min(x.shape[1], -(-(max_k + PICKS_SLACK) // PICKS_MULTIPLE) * PICKS_MULTIPLE)
+    """The CPU's draw for a batch whose every row has a top-k or a top-p, from each row's largest
+    logits alone: the tokens draw() gives over whole rows (the same weights, the same running sums
+    in vocabulary order, the same uniform draws; top-p's normaliser summed in another order, so a
+    boundary within fp32 rounding of it may fall otherwise), at 16 x 49,152 ~1-3 ms against ~8
+    (top-k) or ~35 (top-p alone: a sort) of passes over whole rows. None, nothing drawn from the
+    generators, where a row's kept tokens may reach past the picks or it holds inf or NaN: the
+    caller draws over whole rows then."""
+    all_k = all(p.top_k > 0 for p in params)
+    wanted = max([p.top_k + PICKS_SLACK for p in params if p.top_k > 0] + [0 if all_k else TOP_P_PICKS])
+    width = min(x.shape[1], -(-wanted // PICKS_MULTIPLE) * PICKS_MULTIPLE)
     values, ids = x.topk(width, dim=-1)
     scaled = values / temperature
-    # The picks as whole rows: their ranking is themselves, top-p's normaliser their own sum
-    # (sort=True), which is the whole row's where nothing kept lies past them.
-    cuts = Cuts(min_p=bool((min_p > 0).any()), top_k=True, top_p=bool((top_p < 1).any()), sort=True, picks=0)
-    tau = cut_threshold(scaled, cuts, None, min_p, top_k, top_p)
-    top, kth = scaled[:, :1], scaled.gather(1, top_k.long().clamp(max=width) - 1)
-    # Past the picks every logit is at most the last pick's: below each row's k-th, none is kept,
-    # nor weighs in top-p's normaliser (what min_p and top-k kept: at least the k-th).
-    if not bool(top.isfinite().all()) or (width < x.shape[1] and bool((scaled[:, -1:] >= kth).any())):
+    top = scaled[:, :1]
+    cuts = Cuts(min_p=any(p.min_p > 0 for p in params), top_k=any(p.top_k > 0 for p in params),
+                top_p=any(p.top_p < 1 for p in params), sort=all_k, picks=0 if all_k else width)
+    if all_k:
+        # Past the picks every logit is at most the last pick's: below each row's k-th, none is
+        # kept, nor weighs in top-p's normaliser (what min_p and top-k kept), the picks' own sum.
+        bound = scaled.gather(1, top_k.long().clamp(max=width) - 1)
+        tau = cuts_on(scaled, top, cuts, min_p, top_k, top_p, lambda weight, tau: weight.sum(dim=-1, keepdim=True))
+    else:  # top-p's normaliser is the whole row's; only the kept tokens must lie within the picks
+        tau = cuts_on(scaled, top, cuts, min_p, top_k, top_p, lambda weight, tau: kept_mass(x, temperature, top, tau))
+        bound = tau
+    if not bool(top.isfinite().all()) or (width < x.shape[1] and bool((scaled[:, -1:] >= bound).any())):
         return None
     weights = (scaled - top).exp().masked_fill(scaled < tau, 0)
     order = ids.argsort(dim=-1)  # the running sum goes in vocabulary order, as over a whole row
