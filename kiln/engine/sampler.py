@@ -63,14 +63,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         index = to_device(rows, torch.long, dev)
         temperature, min_p, top_p, top_k, _ = host_to(settings_of(chosen), dev).unsqueeze(-1)
         x = logits if len(rows) == len(params) else logits.index_select(0, index)
-        drawn = None
+        picked = None
         if dev.type == "cpu" and all(p.top_k > 0 or p.top_p < 1 for p in chosen):
-            drawn = draw_from_picks(x, chosen, temperature, min_p, top_k, top_p, gens)
-        if drawn is None:
+            picked = draw_from_picks(x, chosen, temperature, min_p, top_k, top_p, gens)
+        if picked is None:
             if dev.type != "cuda":  # the CPU's draw reads the scaled logits: scale them once
                 x, temperature = x / temperature, None
             threshold = cut_threshold(x, Cuts.of(chosen, dev), temperature, min_p, top_k, top_p)
             drawn = draw(x, temperature, threshold, gens)
+        else:
+            drawn, whole, u = picked
+            if bool(whole.any()):  # the rows whose kept tokens reach past the picks: over whole rows
+                redo = whole.nonzero().squeeze(1)
+                xs = x.index_select(0, redo) / temperature.index_select(0, redo)
+                threshold = cut_threshold(xs, Cuts.of([chosen[i] for i in redo.tolist()], dev), None,
+                                          *(t.index_select(0, redo) for t in (min_p, top_k, top_p)))
+                drawn.index_copy_(0, redo, _draw_whole_rows(xs, threshold, u.index_select(0, redo)))
         tokens.index_copy_(0, index, drawn)
     return tokens
 
@@ -315,13 +323,17 @@ def draw(x: torch.Tensor, temperature: torch.Tensor | None, threshold: torch.Ten
     not depend on the rest of the batch (but for torch summing a row in another order at another
     batch size, which moves a top-p boundary that lies within rounding of a running sum)."""
     if x.device.type == "cpu":
-        x = _scaled(x, temperature)
-        top = x.amax(dim=-1, keepdim=True)  # NaN where the row holds one
-        drawn = _inverse_cdf((x - top).exp().masked_fill(x < threshold, 0), generators)
-        # A row of -inf, or one holding inf or NaN, has no probabilities: it takes its argmax, as on the GPU.
-        broken = ~top.squeeze(1).isfinite()
-        return torch.where(broken, greedy_tokens(x), drawn) if broken.any() else drawn
+        return _draw_whole_rows(_scaled(x, temperature), threshold, _uniforms(generators))
     return gumbel(x, temperature, threshold, generators)
+
+
+def _draw_whole_rows(x: torch.Tensor, threshold: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The CPU's draw over whole rows of scaled logits, a uniform `u` a row (_uniforms)."""
+    top = x.amax(dim=-1, keepdim=True)  # NaN where the row holds one
+    drawn = _inverse_cdf((x - top).exp().masked_fill(x < threshold, 0), u)
+    # A row of -inf, or one holding inf or NaN, has no probabilities: it takes its argmax, as on the GPU.
+    broken = ~top.squeeze(1).isfinite()
+    return torch.where(broken, greedy_tokens(x), drawn) if broken.any() else drawn
 
 
 # draw_from_picks ranks this many logits past a batch's largest top_k (rounded up to a multiple of
@@ -336,14 +348,14 @@ PICKS_MULTIPLE = 64
 
 def draw_from_picks(x: torch.Tensor, params: list[SamplingParams], temperature: torch.Tensor, min_p: torch.Tensor,
                     top_k: torch.Tensor, top_p: torch.Tensor,
-                    generators: list[torch.Generator | None]) -> torch.Tensor | None:
+                    generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The CPU's draw for a batch whose every row has a top-k or a top-p, from each row's largest
     logits alone: the tokens draw() gives over whole rows (the same weights, the same running sums
-    in vocabulary order, the same uniform draws; top-p's normaliser summed in another order, so a
+    in vocabulary order, the same uniforms; top-p's normaliser summed in another order, so a
     boundary within fp32 rounding of it may fall otherwise), at 16 x 49,152 ~1-3 ms against ~8
-    (top-k) or ~35 (top-p alone: a sort) of passes over whole rows. None, nothing drawn from the
-    generators, where a row's kept tokens may reach past the picks or it holds inf or NaN: the
-    caller draws over whole rows then."""
+    (top-k) or ~35 (top-p alone: a sort) of passes over whole rows. -> (tokens, whole, u): `whole`
+    marks the rows whose kept tokens may reach past the picks, or that hold inf or NaN, whose
+    tokens (0 here) the caller draws over whole rows with their uniforms `u` ([rows, 1])."""
     all_k = all(p.top_k > 0 for p in params)
     wanted = max([p.top_k + PICKS_SLACK for p in params if p.top_k > 0] + [0 if all_k else TOP_P_PICKS])
     width = min(x.shape[1], -(-wanted // PICKS_MULTIPLE) * PICKS_MULTIPLE)
@@ -360,12 +372,19 @@ def draw_from_picks(x: torch.Tensor, params: list[SamplingParams], temperature: 
     else:  # top-p's normaliser is the whole row's; only the kept tokens must lie within the picks
         tau = cuts_on(scaled, top, cuts, min_p, top_k, top_p, lambda weight, tau: kept_mass(x, temperature, top, tau))
         bound = tau
-    if not bool(top.isfinite().all()) or (width < x.shape[1] and bool((scaled[:, -1:] >= bound).any())):
-        return None
-    weights = (scaled - top).exp().masked_fill(scaled < tau, 0)
-    order = ids.argsort(dim=-1)  # the running sum goes in vocabulary order, as over a whole row
-    chosen = _inverse_cdf(weights.gather(1, order), generators).unsqueeze(1)
-    return ids.gather(1, order).gather(1, chosen).squeeze(1)
+    whole = ~top.squeeze(1).isfinite()
+    if width < x.shape[1]:
+        whole |= (scaled[:, -1:] >= bound).squeeze(1)
+    u = _uniforms(generators)
+    tokens = torch.zeros(len(params), dtype=torch.long)
+    rows = (~whole).nonzero().squeeze(1)
+    if rows.numel():
+        ids, scaled, tau = (t.index_select(0, rows) for t in (ids, scaled, tau))
+        weights = (scaled - scaled[:, :1]).exp().masked_fill(scaled < tau, 0)
+        order = ids.argsort(dim=-1)  # the running sum goes in vocabulary order, as over a whole row
+        chosen = _inverse_cdf(weights.gather(1, order), u.index_select(0, rows)).unsqueeze(1)
+        tokens.index_copy_(0, rows, ids.gather(1, order).gather(1, chosen).squeeze(1))
+    return tokens, whole, u
 
 
 def gumbel(x: torch.Tensor, temperature: torch.Tensor | None, threshold: torch.Tensor,
@@ -388,14 +407,19 @@ def seeds_of(generators: list[torch.Generator | None]) -> list[int]:
     return seeds
 
 
-def _inverse_cdf(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """The first token whose running sum of probabilities passes u times the row's total, u ~ U[0, 1):
-    one draw a row, where the CPU takes ~28 ns an Exp(1) draw (22 ms for 16 x 49,152). Summed in
-    fp64 so that a token's share is exact to ~1e-16, not fp32's ~1e-7 at the end of the row."""
-    u = torch.rand(probs.shape[0], 1, dtype=torch.float64)
+def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """[rows, 1] fp64 uniforms: a row with a generator draws from it alone."""
+    u = torch.rand(len(generators), 1, dtype=torch.float64)
     for j, generator in enumerate(generators):
         if generator is not None:
             u[j] = torch.rand(1, dtype=torch.float64, generator=generator)
+    return u
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first token whose running sum of probabilities passes u times the row's total, u ~ U[0, 1)
+    ([rows, 1]): one draw a row, where the CPU takes ~28 ns an Exp(1) draw (22 ms for 16 x 49,152).
+    Summed in fp64 so that a token's share is exact to ~1e-16, not fp32's ~1e-7 at the end of the row."""
     running = probs.double().cumsum(dim=-1)
     # The first sum strictly past u * total (< total for u < 1): never a token without a share.
     return torch.searchsorted(running, u * running[:, -1:], right=True).squeeze(1)
