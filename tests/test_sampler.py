@@ -149,13 +149,18 @@ def test_the_cpu_draws_a_top_k_or_top_p_batch_from_its_picks_as_from_whole_rows(
     draw's tokens, seeded or not, on fp32, bf16-rounded and coarsely tied logits, with top-k on
     every row, on some, or on none; a row whose ties with its k-th, or whose top-p, reach past the
     picks, or that holds inf, is drawn over its whole row, beside rows drawn from their picks."""
-    whole_rows = []
-    picks = sampler.draw_from_picks
+    whole_rows = []  # per draw_from_picks call: how many of its rows it drew over their whole rows
+    picks, over_whole_rows = sampler.draw_from_picks, sampler._draw_whole_rows
+
+    def counted(x, threshold, u):
+        whole_rows[-1] += x.shape[0]
+        return over_whole_rows(x, threshold, u)
 
     def recorded(*args):
-        drawn = picks(*args)
-        whole_rows.append(int(drawn[1].sum()))  # rows drawn over their whole row
-        return drawn
+        whole_rows.append(0)
+        with monkeypatch.context() as m:
+            m.setattr(sampler, "_draw_whole_rows", counted)
+            return picks(*args)
 
     monkeypatch.setattr(sampler, "draw_from_picks", recorded)
     gen = torch.Generator().manual_seed(3)

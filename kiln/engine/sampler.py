@@ -63,22 +63,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         index = to_device(rows, torch.long, dev)
         temperature, min_p, top_p, top_k, _ = host_to(settings_of(chosen), dev).unsqueeze(-1)
         x = logits if len(rows) == len(params) else logits.index_select(0, index)
-        picked = None
+        drawn = None
         if dev.type == "cpu" and all(p.top_k > 0 or p.top_p < 1 for p in chosen):
-            picked = draw_from_picks(x, chosen, temperature, min_p, top_k, top_p, gens)
-        if picked is None:
+            drawn = draw_from_picks(x, chosen, temperature, min_p, top_k, top_p, gens)
+        if drawn is None:
             if dev.type != "cuda":  # the CPU's draw reads the scaled logits: scale them once
                 x, temperature = x / temperature, None
             threshold = cut_threshold(x, Cuts.of(chosen, dev), temperature, min_p, top_k, top_p)
             drawn = draw(x, temperature, threshold, gens)
-        else:
-            drawn, whole, u = picked
-            if bool(whole.any()):  # the rows whose kept tokens reach past the picks: over whole rows
-                redo = whole.nonzero().squeeze(1)
-                xs = x.index_select(0, redo) / temperature.index_select(0, redo)
-                threshold = cut_threshold(xs, Cuts.of([chosen[i] for i in redo.tolist()], dev), None,
-                                          *(t.index_select(0, redo) for t in (min_p, top_k, top_p)))
-                drawn.index_copy_(0, redo, _draw_whole_rows(xs, threshold, u.index_select(0, redo)))
         tokens.index_copy_(0, index, drawn)
     return tokens
 
@@ -348,14 +340,14 @@ PICKS_MULTIPLE = 64
 
 def draw_from_picks(x: torch.Tensor, params: list[SamplingParams], temperature: torch.Tensor, min_p: torch.Tensor,
                     top_k: torch.Tensor, top_p: torch.Tensor,
-                    generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    generators: list[torch.Generator | None]) -> torch.Tensor:
     """The CPU's draw for a batch whose every row has a top-k or a top-p, from each row's largest
     logits alone: the tokens draw() gives over whole rows (the same weights, the same running sums
     in vocabulary order, the same uniforms; top-p's normaliser summed in another order, so a
     boundary within fp32 rounding of it may fall otherwise), at 16 x 49,152 ~1-3 ms against ~8
-    (top-k) or ~35 (top-p alone: a sort) of passes over whole rows. -> (tokens, whole, u): `whole`
-    marks the rows whose kept tokens may reach past the picks, or that hold inf or NaN, whose
-    tokens (0 here) the caller draws over whole rows with their uniforms `u` ([rows, 1])."""
+    (top-k) or ~35 (top-p alone: a sort) of passes over whole rows. A row whose kept tokens may
+    reach past its picks, or that holds inf or NaN, is drawn over its whole row, with its own
+    uniform all the same."""
     all_k = all(p.top_k > 0 for p in params)
     wanted = max([p.top_k + PICKS_SLACK for p in params if p.top_k > 0] + [0 if all_k else TOP_P_PICKS])
     width = min(x.shape[1], -(-wanted // PICKS_MULTIPLE) * PICKS_MULTIPLE)
@@ -363,7 +355,7 @@ def draw_from_picks(x: torch.Tensor, params: list[SamplingParams], temperature: 
     scaled = values / temperature
     top = scaled[:, :1]
     cuts = Cuts(min_p=any(p.min_p > 0 for p in params), top_k=any(p.top_k > 0 for p in params),
-                top_p=any(p.top_p < 1 for p in params), sort=all_k, picks=0 if all_k else width)
+                top_p=any(p.top_p < 1 for p in params), sort=False, picks=width)
     if all_k:
         # Past the picks every logit is at most the last pick's: below each row's k-th, none is
         # kept, nor weighs in top-p's normaliser (what min_p and top-k kept), the picks' own sum.
@@ -384,7 +376,13 @@ def draw_from_picks(x: torch.Tensor, params: list[SamplingParams], temperature: 
         order = ids.argsort(dim=-1)  # the running sum goes in vocabulary order, as over a whole row
         chosen = _inverse_cdf(weights.gather(1, order), u.index_select(0, rows)).unsqueeze(1)
         tokens.index_copy_(0, rows, ids.gather(1, order).gather(1, chosen).squeeze(1))
-    return tokens, whole, u
+    redo = whole.nonzero().squeeze(1)
+    if redo.numel():
+        xs = x.index_select(0, redo) / temperature.index_select(0, redo)
+        threshold = cut_threshold(xs, Cuts.of([params[i] for i in redo.tolist()], x.device), None,
+                                  *(t.index_select(0, redo) for t in (min_p, top_k, top_p)))
+        tokens.index_copy_(0, redo, _draw_whole_rows(xs, threshold, u.index_select(0, redo)))
+    return tokens
 
 
 def gumbel(x: torch.Tensor, temperature: torch.Tensor | None, threshold: torch.Tensor,
