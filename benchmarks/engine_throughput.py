@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kiln import LLM, SamplingParams
+from kiln.ops.cpu import extension
 from kiln.compile.config import CompilationConfig
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
@@ -107,6 +108,7 @@ def main() -> None:
     result = {"torch": torch.__version__, "machine": platform.machine(), "device": args.device,
               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.device == "cpu":
+        extension.build()  # a deployment's CPU attention (kiln prewarm builds it), not the Python reference
         torch.set_num_threads(1)
         result.update(threads=1, mode="eager (the CPU default)")
         result["throughput"] = cpu_throughput(args.tokens)

@@ -73,6 +73,10 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     os.environ["KILN_CACHE_ROOT"] = args.cache_root or tempfile.mkdtemp(prefix="kiln-agreement-")
+    if args.device == "cpu":
+        from kiln.ops.cpu import extension
+
+        extension.build()  # the C++ attention a deployment has, into this run's cache root
     prompts = PROMPTS[:args.prompts]
     variants = {"O2": {}, "O2 with Inductor's norms": {"custom_ops": ["none"]},
                 "O2 with Inductor's rounding": {"inductor": {"emulate_precision_casts": False}}}

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from kiln import LLM, SamplingParams
+from kiln.ops.cpu import extension
 from kiln.compile.config import CompilationConfig
 from kiln.tools.bench import Floor, matmul_params, measure_copy, measure_matmul
 from kiln.tools.traffic import decode_weight_bytes
@@ -112,6 +113,8 @@ def run_mode(name: str, args) -> tuple[dict, object, torch.dtype]:
 
 def main() -> int:
     args = parse_args()
+    if args.device == "cpu":
+        extension.build()  # the C++ attention a deployment has (kiln prewarm builds it)
     results, bound = [], None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
