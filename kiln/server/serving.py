@@ -85,8 +85,14 @@ class OpenAIServing:
             raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but the context holds "
                            f"{max_model_len} (max_model_len), prompt and output together; shorten the "
                            f"prompt", param=prompt_param, code="context_length_exceeded")
+        room = max_model_len - len(prompt_ids)
         if max_tokens is None:  # as much as the context leaves
-            max_tokens = max_model_len - len(prompt_ids)
+            max_tokens = room
+        elif max_tokens > room:  # refused, as OpenAI and vLLM do, not cut short where the context ends
+            raise APIError(400, f"{max_tokens_param}={max_tokens} does not fit: the prompt has {len(prompt_ids)} "
+                           f"tokens and the context holds {max_model_len} (max_model_len), prompt and output "
+                           f"together; ask for at most {room}, or leave {max_tokens_param} out to generate "
+                           f"until the context is full", param=max_tokens_param, code="context_length_exceeded")
         params = _sampling_params(req, max_tokens, max_tokens_param)
         request_id = new_id("chatcmpl" if endpoint == "chat" else "cmpl")
         timer = self.metrics.timer(endpoint, len(prompt_ids))
