@@ -183,6 +183,48 @@ def test_return_token_ids_streams_every_step_tokens_and_all(client):
         _chat(client, "Hi", max_tokens=2, extra_body={"return_token_ids": True})
 
 
+def test_several_prompts_in_one_completion_request(server, client):
+    """OpenAI's list of prompts: prompt i's choice j is choice i * n + j, usage sums them all, a
+    stream interleaves them; one refused prompt refuses the request and leaves nothing running."""
+    prompts = ["The capital of France is", [504, 3458, 282, 4649, 314], "Once upon a time"]
+    kwargs = dict(model=MODEL, n=2, max_tokens=6, temperature=0,
+                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    texts = client.completions.create(model=MODEL, prompt=prompts[::2], n=2, max_tokens=6, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+    ids = [texts.choices[0].prompt_token_ids, prompts[1], texts.choices[2].prompt_token_ids]
+    whole = client.completions.create(prompt=ids, **kwargs)  # token-id prompts, the same as text
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.prompt_token_ids for c in whole.choices] == [p for p in ids for _ in range(2)]
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 6 for c in whole.choices)
+    assert whole.usage.prompt_tokens == sum(map(len, ids)) and whole.usage.completion_tokens == 36
+    assert [whole.choices[i].text for i in (0, 4)] == [texts.choices[i].text for i in (0, 2)]
+    assert all(whole.choices[i].text == whole.choices[i + 1].text for i in (0, 2, 4))  # greedy: n equal choices
+    assert whole.choices[0].text.startswith(" Paris")
+
+    streamed, firsts = {i: "" for i in range(6)}, {}
+    chunks = list(client.completions.create(prompt=ids, stream=True, stream_options={"include_usage": True},
+                                            **kwargs))
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+            if choice.finish_reason is None:  # a chunk of tokens (the finish chunk has none)
+                firsts.setdefault(choice.index, choice.prompt_token_ids)
+    assert streamed == {c.index: c.text for c in whole.choices}
+    assert firsts == {c.index: c.prompt_token_ids for c in whole.choices}
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == list(range(6))
+    assert chunks[-1].usage == whole.usage
+
+    with pytest.raises(openai.BadRequestError, match="prompt 1") as info:
+        client.completions.create(model=MODEL, prompt=[[504, 3458], [504, 10**6]], max_tokens=400,
+                                  extra_body={"ignore_eos": True})
+    assert info.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match="prompt 1 has") as info:
+        client.completions.create(model=MODEL, prompt=["Hi", "hello " * MAX_MODEL_LEN], max_tokens=2)
+    assert info.value.body["code"] == "context_length_exceeded"
+    metrics = _wait_for(server, lambda m: m["kiln_kv_blocks_in_use"] == 0 and m["kiln_requests_running"] == 0)
+    assert metrics["kiln_kv_blocks_in_use"] == 0 and metrics["kiln_requests_running"] == 0
+
+
 def test_chat_stream_equals_non_stream(client):
     whole = _chat(client, "Name three colors.", max_tokens=24, temperature=0)
     chunks = list(_chat(client, "Name three colors.", max_tokens=24, temperature=0, stream=True,
@@ -243,6 +285,18 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, client):
     metrics = _wait_for(server, lambda m: m["kiln_kv_blocks_in_use"] == 0 and m["kiln_requests_running"] == 0)
     assert metrics["kiln_kv_blocks_in_use"] == 0 and metrics["kiln_requests_running"] == 0
     assert metrics["kiln_requests_total{endpoint=chat,finish_reason=abort}"] == aborted_before + 1
+
+
+def test_disconnect_mid_stream_of_several_prompts_aborts_them_all(server, client):
+    stream = client.completions.create(model=MODEL, prompt=["Once upon a time", "The stock market"], max_tokens=400,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    seen = set()
+    while seen != {0, 1}:
+        seen.update(c.index for c in next(stream).choices)
+    assert server.metrics()["kiln_requests_running"] == 2
+    stream.close()
+    metrics = _wait_for(server, lambda m: m["kiln_kv_blocks_in_use"] == 0 and m["kiln_requests_running"] == 0)
+    assert metrics["kiln_kv_blocks_in_use"] == 0 and metrics["kiln_requests_running"] == 0
 
 
 def test_disconnect_before_a_non_streamed_answer_aborts_too(server):

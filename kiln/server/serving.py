@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kiln.engine.async_engine import AsyncEngine, EngineNotReady, RequestAborted
-from kiln.engine.outputs import RequestOutput
+from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.structured_output import StructuredOutputsParams
 from kiln.server.errors import APIError, error_body
@@ -46,19 +47,18 @@ class OpenAIServing:
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await self._run(req, raw, "chat", prompt_ids, "messages", max_tokens, max_tokens_param)
+        return await self._run(req, raw, "chat", [prompt_ids], "messages", max_tokens, max_tokens_param)
 
     async def complete(self, req: CompletionRequest, raw: Request) -> Response:
         self._check_request(req)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, f"send one prompt per request (got {len(prompt)})", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
+        # Several prompts (a list of strings or of token-id lists) run side by side, as in OpenAI's API.
+        several = isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list))
+        prompts = list(req.prompt) if several else [req.prompt]
+        if any(isinstance(prompt, str) for prompt in prompts):
             tokenizer = self._tokenizer("this model has no tokenizer: send the prompt as token ids")
-            prompt = await asyncio.to_thread(tokenizer.encode, prompt)
-        return await self._run(req, raw, "completions", prompt, "prompt", req.max_tokens, "max_tokens")
+            prompts = await asyncio.to_thread(
+                lambda: [tokenizer.encode(prompt) if isinstance(prompt, str) else prompt for prompt in prompts])
+        return await self._run(req, raw, "completions", prompts, "prompt", req.max_tokens, "max_tokens")
 
     def _check_request(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         self.check_ready()
@@ -78,48 +78,62 @@ class OpenAIServing:
             raise APIError(400, message_if_none)
         return tokenizer
 
-    async def _run(self, req, raw: Request, endpoint: str, prompt_ids: list[int], prompt_param: str,
+    async def _run(self, req, raw: Request, endpoint: str, prompts: list[list[int]], prompt_param: str,
                    max_tokens: int | None, max_tokens_param: str) -> Response:
+        """Run the request's prompts (one, but for a /v1/completions list) as one response: prompt
+        i's choice j is choice i * n + j, as in OpenAI's and vLLM's answers."""
         max_model_len = self.engine.engine.max_model_len
-        if len(prompt_ids) >= max_model_len:
-            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but the context holds "
-                           f"{max_model_len} (max_model_len), prompt and output together; shorten the "
-                           f"prompt", param=prompt_param, code="context_length_exceeded")
-        room = max_model_len - len(prompt_ids)
-        if max_tokens is None:  # as much as the context leaves
-            max_tokens = room
-        elif max_tokens > room:  # refused, as OpenAI and vLLM do, not cut short where the context ends
-            raise APIError(400, f"{max_tokens_param}={max_tokens} does not fit: the prompt has {len(prompt_ids)} "
-                           f"tokens and the context holds {max_model_len} (max_model_len), prompt and output "
-                           f"together; ask for at most {room}, or leave {max_tokens_param} out to generate "
-                           f"until the context is full", param=max_tokens_param, code="context_length_exceeded")
-        params = _sampling_params(req, max_tokens, max_tokens_param)
+        params = []
+        for i, prompt_ids in enumerate(prompts):
+            which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
+            if len(prompt_ids) >= max_model_len:
+                raise APIError(400, f"{which} has {len(prompt_ids)} tokens but the context holds "
+                               f"{max_model_len} (max_model_len), prompt and output together; shorten the "
+                               f"prompt", param=prompt_param, code="context_length_exceeded")
+            room = max_model_len - len(prompt_ids)
+            if max_tokens is not None and max_tokens > room:  # refused, as OpenAI and vLLM do, not cut short
+                raise APIError(400, f"{max_tokens_param}={max_tokens} does not fit: {which} has {len(prompt_ids)} "
+                               f"tokens and the context holds {max_model_len} (max_model_len), prompt and output "
+                               f"together; ask for at most {room}, or leave {max_tokens_param} out to generate "
+                               f"until the context is full", param=max_tokens_param, code="context_length_exceeded")
+            # Left out, max_tokens is as much as the context leaves.
+            params.append(_sampling_params(req, room if max_tokens is None else max_tokens, max_tokens_param))
         request_id = new_id("chatcmpl" if endpoint == "chat" else "cmpl")
-        timer = self.metrics.timer(endpoint, len(prompt_ids))
+        # The engine's ids are the response's, one a prompt where there are several.
+        engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        timer = self.metrics.timer(endpoint, sum(map(len, prompts)))
+        streams = []
         try:
-            outputs = await self.engine.add_request(prompt_ids, params, request_id)
-        except ValueError as e:
+            for prompt_ids, prompt_params, engine_id in zip(prompts, params, engine_ids):
+                streams.append(await self.engine.add_request(prompt_ids, prompt_params, engine_id))
+        except BaseException as e:  # a refused prompt, or a cancel (the client left) while queueing
+            for engine_id in engine_ids[:len(streams)]:  # the prompts already queued
+                self.engine.abort(engine_id)
+            if isinstance(e, EngineNotReady):
+                raise APIError(503, str(e), code="not_ready") from None
+            if not isinstance(e, ValueError):
+                raise
             field = str(e).split()[0]  # the engine's messages start with what they are about
             if field.startswith("structured"):  # the grammar did not compile
                 field = structured_output(req)[1]
             elif field not in _SAMPLING_FIELDS:
                 field = prompt_param
-            raise APIError(400, str(e), param=field) from None
-        except EngineNotReady as e:
-            raise APIError(503, str(e), code="not_ready") from None
+            raise APIError(400, str(e) if len(prompts) == 1 else f"prompt {len(streams)}: {e}", param=field) from None
+        n = params[0].n
+        outputs = streams[0] if len(streams) == 1 else _side_by_side(streams, request_id, n)
         if req.stream:
             stream = _ChatStream if endpoint == "chat" else _CompletionStream
-            events = stream(request_id, self.model_name, req.include_usage, params, prompt_ids,
+            events = stream(request_id, self.model_name, req.include_usage, n, params[0], prompts,
                             getattr(req, "return_token_ids", False))
             return StreamingResponse(events.run(outputs, timer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         final = await _last_output(outputs, raw, timer)
         if final is None:  # the client left; nobody reads this
             return Response(status_code=499)
-        usage = Usage.of(len(prompt_ids), sum(len(c.token_ids) for c in final.outputs))
+        usage = Usage.of(sum(map(len, prompts)), sum(len(c.token_ids) for c in final.outputs))
         if endpoint == "chat":
             choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                                  logprobs=chat_logprobs(c.token_ids, c.logprobs, params.logprobs))
+                                  logprobs=chat_logprobs(c.token_ids, c.logprobs, params[0].logprobs))
                        for c in final.outputs]
             body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
         else:
@@ -128,7 +142,7 @@ class OpenAIServing:
                 logprobs = completion_logprobs(c.token_ids, c.logprobs, 0)
                 if req.return_token_ids:
                     choices.append(CompletionChoiceWithTokens(index=c.index, text=c.text, finish_reason=c.finish_reason,
-                                                              logprobs=logprobs, prompt_token_ids=prompt_ids,
+                                                              logprobs=logprobs, prompt_token_ids=prompts[c.index // n],
                                                               token_ids=list(c.token_ids)))
                 else:
                     choices.append(CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
@@ -230,6 +244,40 @@ def chat_logprobs(token_ids: list[int], entries: list[dict] | None, num: int | N
     return ChatLogprobs(content=content)
 
 
+async def _side_by_side(streams: list[AsyncIterator[RequestOutput]], request_id: str,
+                        n: int) -> AsyncIterator[RequestOutput]:
+    """Several prompts' outputs as one request's: each item holds every prompt's newest choices,
+    prompt i's choice j as choice i * n + j (a prompt with no output yet: empty ones), finished
+    once all are. Closed early (a disconnect), it aborts the prompts still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(stream):  # closing a stream aborts its unfinished request
+                async for out in stream:
+                    queue.put_nowait((i, out))
+        except Exception as e:  # RequestAborted: the consumer raises it
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    latest: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        while not all(out is not None and out.finished for out in latest):
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            latest[i] = item
+            choices = []
+            for prompt, out in enumerate(latest):
+                choices += [CompletionOutput(prompt * n + j, "", []) for j in range(n)] if out is None else \
+                    [replace(c, index=prompt * n + c.index) for c in out.outputs]
+            yield RequestOutput(request_id, None, [], choices, all(o is not None and o.finished for o in latest))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _last_output(outputs: AsyncIterator[RequestOutput], raw: Request,
                        timer: RequestTimer) -> RequestOutput | None:
     """Run a request to the end; None if the client disconnected first (the request is aborted)."""
@@ -252,15 +300,17 @@ class _SSEStream:
     """Server-sent events of one request: text deltas per choice, each choice's finish reason,
     usage, then [DONE]."""
 
-    def __init__(self, request_id: str, model: str, include_usage: bool, params: SamplingParams,
-                 prompt_ids: list[int], return_token_ids: bool = False):
+    def __init__(self, request_id: str, model: str, include_usage: bool, n: int, params: SamplingParams,
+                 prompts: list[list[int]], return_token_ids: bool = False):
+        """n choices a prompt (choice i is prompt i // n's); params: any prompt's (they differ in
+        max_tokens alone)."""
         self.request_id, self.model, self.include_usage = request_id, model, include_usage
-        self.num_prompt_tokens, self.n = len(prompt_ids), params.n
+        self.num_prompt_tokens, self.n = sum(map(len, prompts)), n * len(prompts)
         self.num_logprobs = params.logprobs  # None: no logprobs in the chunks
         # With return_token_ids every step's tokens go out, text or not (a model without a tokenizer
         # has none); the prompt's ids ride on each choice's first chunk.
         self.return_token_ids = return_token_ids
-        self.prompt_ids = prompt_ids if return_token_ids else None
+        self.prompts, self.choices_per_prompt = prompts, n
         # Text that may be the start of a stop string is held back until it is known not to
         # be one: the engine cuts a stop string out of the text only once it is complete.
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -283,7 +333,8 @@ class _SSEStream:
                         end = len(c.text) if done else max(sent[i], len(c.text) - self.holdback)
                         if end > sent[i] or (per_token and len(c.token_ids) > sent_tokens[i]):
                             entries = c.logprobs[sent_tokens[i]:] if c.logprobs is not None else None
-                            prompt_ids = self.prompt_ids if sent_tokens[i] == 0 else None
+                            prompt_ids = self.prompts[i // self.choices_per_prompt] \
+                                if self.return_token_ids and sent_tokens[i] == 0 else None
                             yield _event(self.text_chunk(i, c.text[sent[i]:end], list(c.token_ids[sent_tokens[i]:]),
                                                          entries, sent[i], prompt_ids))
                             sent[i], sent_tokens[i] = max(sent[i], end), len(c.token_ids)
