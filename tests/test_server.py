@@ -225,6 +225,45 @@ def test_several_prompts_in_one_completion_request(server, client):
     assert metrics["kiln_kv_blocks_in_use"] == 0 and metrics["kiln_requests_running"] == 0
 
 
+def _post(server, path: str, body: dict) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_tokenize_and_detokenize_as_vllm_answers_them(server, client):
+    status, plain = _post(server, "/tokenize", {"model": MODEL, "prompt": "The capital of France is"})
+    assert status == 200 and plain["count"] == len(plain["tokens"]) and plain["max_model_len"] == MAX_MODEL_LEN
+    ids = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1,
+                                    extra_body={"return_token_ids": True}).choices[0].prompt_token_ids
+    assert plain["tokens"] == ids and plain["token_strs"] is None  # what a completion's prompt becomes
+    status, named = _post(server, "/tokenize", {"prompt": "The capital of France is", "return_token_strs": True})
+    assert named["tokens"] == ids and len(named["token_strs"]) == len(ids) and named["token_strs"][1] == "Ġcapital"
+    status, back = _post(server, "/detokenize", {"model": MODEL, "tokens": ids})
+    assert status == 200 and back["prompt"] == "The capital of France is"
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    status, chat = _post(server, "/tokenize", {"model": MODEL, "messages": messages})
+    assert status == 200 and chat["count"] == _chat(client, messages[0]["content"], max_tokens=1).usage.prompt_tokens
+    status, without = _post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert without["tokens"] == chat["tokens"][:without["count"]] and without["count"] < chat["count"]
+    status, text = _post(server, "/detokenize", {"tokens": chat["tokens"]})
+    assert text["prompt"].startswith("<|im_start|>")  # special tokens kept
+
+    for path, body, param in [("/tokenize", {"model": MODEL}, "prompt"),
+                              ("/tokenize", {"prompt": "hi", "messages": messages}, "prompt"),
+                              ("/detokenize", {"tokens": [1, 49152]}, "tokens"),
+                              ("/detokenize", {"tokens": "hi"}, "tokens")]:
+        status, error = _post(server, path, body)
+        assert status == 400 and error["error"]["param"] == param, (path, body, error)
+    status, error = _post(server, "/tokenize", {"model": "gpt-4o", "prompt": "hi"})
+    assert status == 404 and error["error"]["code"] == "model_not_found"
+
+
 def test_chat_stream_equals_non_stream(client):
     whole = _chat(client, "Name three colors.", max_tokens=24, temperature=0)
     chunks = list(_chat(client, "Name three colors.", max_tokens=24, temperature=0, stream=True,

@@ -5,6 +5,7 @@
     /v1/models            the one served model
     /v1/completions       plain prompt (text or token ids), streaming or not
     /v1/chat/completions  messages through the model's chat template, streaming or not
+    /tokenize, /detokenize  vLLM's: a prompt's (or messages') token ids, and ids' text
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from kiln.loader import DEFAULT_MODEL, ModelSource
 from kiln.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kiln.server.errors import install_error_handlers
 from kiln.server.metrics import ServerMetrics
-from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kiln.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                                  ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from kiln.server.serving import OpenAIServing
 
 
@@ -80,5 +82,13 @@ def build_app(config: EngineConfig, served_model_name: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(request, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        return await serving.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return await serving.detokenize(request)
 
     return app

@@ -21,7 +21,8 @@ from kiln.server.metrics import RequestTimer, ServerMetrics
 from kiln.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                   ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
                                   CompletionChoice, CompletionChoiceWithTokens, CompletionLogprobs, CompletionRequest,
-                                  CompletionResponse, Delta, TopLogprob, Usage, new_id)
+                                  CompletionResponse, Delta, DetokenizeRequest, DetokenizeResponse,
+                                  TokenizeRequest, TokenizeResponse, TopLogprob, Usage, new_id)
 
 _SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "stop", "seed", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
@@ -60,11 +61,47 @@ class OpenAIServing:
                 lambda: [tokenizer.encode(prompt) if isinstance(prompt, str) else prompt for prompt in prompts])
         return await self._run(req, raw, "completions", prompts, "prompt", req.max_tokens, "max_tokens")
 
-    def _check_request(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's /tokenize: the ids a prompt (or messages, through the chat template) becomes."""
+        self._check_model(req.model)
+        tokenizer = self._tokenizer("this model has no tokenizer to tokenize with")
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send a prompt or messages (one of the two)", param="prompt", code="invalid_value")
+
+        def ids() -> list[int]:
+            if req.prompt is not None:
+                return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            text = tokenizer.apply_chat_template([m.as_template_input() for m in req.messages],
+                                                 add_generation_prompt=req.add_generation_prompt)
+            return tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+
+        try:
+            tokens = await asyncio.to_thread(ids)
+        except (ValueError, jinja2.TemplateError) as e:
+            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+        strs = [tokenizer.backend.id_to_token(t) for t in tokens] if req.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=self.engine.engine.max_model_len, tokens=tokens,
+                                token_strs=strs)
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's /detokenize: the text of token ids, special tokens included."""
+        self._check_model(req.model)
+        tokenizer = self._tokenizer("this model has no tokenizer to detokenize with")
+        vocab = tokenizer.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token ids must lie in [0, {vocab}), got {bad}", param="tokens", code="invalid_value")
+        return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, req.tokens, False))
+
+    def _check_model(self, model: str | None) -> None:
+        """Ready, and `model` (None: any) is the one served."""
         self.check_ready()
-        if req.model != self.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist here; this server serves "
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist here; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
+
+    def _check_request(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        self._check_model(req.model)
         field = req.unsupported_field()
         if field is not None:
             raise APIError(400, f"{field}={getattr(req, field)!r} is not supported by kiln; leave it out",
