@@ -70,6 +70,12 @@ def test_chat_stops_at_end_of_turn(llm):
                    SamplingParams(max_tokens=32, temperature=0))[0]
     assert out.finish_reason == "stop" and "Paris" in out.text
     assert out.token_ids[-1] in llm.engine.eos_token_ids
+    # vLLM's chat options: the assistant's turn continued where the conversation leaves it.
+    going_on = llm.chat([{"role": "user", "content": "What is the capital of France?"},
+                         {"role": "assistant", "content": "The capital of France is"}],
+                        SamplingParams(max_tokens=3, temperature=0), add_generation_prompt=False,
+                        continue_final_message=True)[0]
+    assert going_on.text.startswith(" Paris")
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):

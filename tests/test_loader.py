@@ -33,6 +33,34 @@ def test_gguf_tokenizer_matches_transformers(smollm2):
         chat, tokenize=False, add_generation_prompt=True)
 
 
+def test_chat_template_options_match_transformers(smollm2):
+    """add_generation_prompt, continue_final_message and template variables (vLLM's
+    chat_template_kwargs) render as transformers renders them."""
+    transformers = pytest.importorskip("transformers")
+    from kiln.loader import embedded_gguf_path
+
+    path = embedded_gguf_path()
+    hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ours = smollm2.tokenizer
+    chat = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "The answer is"}]
+    for options in (dict(add_generation_prompt=False), dict(add_generation_prompt=False, continue_final_message=True)):
+        assert ours.apply_chat_template(chat, **options) == hf.apply_chat_template(chat, tokenize=False, **options)
+    trailing = chat[:1] + [{"role": "assistant", "content": "The answer is "}]  # the template keeps the space
+    continued = ours.apply_chat_template(trailing, add_generation_prompt=False, continue_final_message=True)
+    assert continued.endswith("The answer is ") and continued == hf.apply_chat_template(
+        trailing, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        ours.apply_chat_template(chat, continue_final_message=True)
+
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if not enable_thinking %} /no_think{% endif %}"
+    custom = copy.copy(ours)
+    custom.chat_template, custom._template = template, None
+    for kwargs in ({}, {"enable_thinking": True}):
+        assert custom.apply_chat_template(chat[:1], template_kwargs=kwargs) == hf.apply_chat_template(
+            chat[:1], chat_template=template, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert custom.apply_chat_template(chat[:1], template_kwargs={"enable_thinking": False}).endswith("/no_think")
+
+
 def test_smollm_pretokenizer_splits_digits(smollm2):
     # llama.cpp's 'smollm' pre-tokenizer (and SmolLM2's own tokenizer.json) split every digit.
     ids = smollm2.tokenizer.encode("2024")

@@ -44,8 +44,21 @@ message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "ass
                                  "content": st.text(max_size=20) | values})
 CHAT = {**SAMPLING, "messages": st.lists(message, max_size=3) | values, "max_completion_tokens": numbers | values,
         "logprobs": st.booleans() | values, "top_logprobs": numbers | values}
+# The chat template's options reach Jinja: variables named as the template's own, or as its helpers.
+TEMPLATE_OPTIONS = {
+    "add_generation_prompt": st.booleans() | values, "continue_final_message": st.booleans() | values,
+    "chat_template_kwargs": values | st.dictionaries(
+        st.sampled_from(["enable_thinking", "raise_exception", "messages", "bos_token", "add_generation_prompt"]),
+        values, max_size=2)}
+CHAT.update(TEMPLATE_OPTIONS)
+TOKENIZE = {"model": values, "prompt": st.text(max_size=20) | values, "messages": st.lists(message, max_size=3) | values,
+            "add_special_tokens": st.booleans() | values, "return_token_strs": st.booleans() | values,
+            **TEMPLATE_OPTIONS}
+DETOKENIZE = {"model": values, "tokens": st.lists(st.integers(min_value=-5, max_value=10**6), max_size=6) | values}
 VALID = {"/v1/completions": {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4},
-         "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}}
+         "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+         "/tokenize": {"model": MODEL, "prompt": "Once upon a time"},
+         "/detokenize": {"model": MODEL, "tokens": [1, 2, 3]}}
 
 
 @st.composite
@@ -89,6 +102,13 @@ def test_completions_never_fail_with_500(app_client, body):
 @given(body=_bodies("/v1/chat/completions", CHAT))
 def test_chat_completions_never_fail_with_500(app_client, body):
     _check(app_client, "/v1/chat/completions", body)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from([("/tokenize", TOKENIZE), ("/detokenize", DETOKENIZE)]).flatmap(
+    lambda route: st.tuples(st.just(route[0]), _bodies(*route))))
+def test_tokenize_and_detokenize_never_fail_with_500(app_client, case):
+    _check(app_client, *case)
 
 
 def test_the_fuzz_reached_the_engine():

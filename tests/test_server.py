@@ -264,6 +264,22 @@ def test_tokenize_and_detokenize_as_vllm_answers_them(server, client):
     assert status == 404 and error["error"]["code"] == "model_not_found"
 
 
+def test_chat_continues_the_final_message_and_passes_template_variables(server, client):
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                         extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert out.choices[0].message.content.startswith(" Paris")
+    status, open_turn = _post(server, "/tokenize", {"messages": messages, "continue_final_message": True,
+                                                    "add_generation_prompt": False})
+    status, closed = _post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert closed["tokens"][:open_turn["count"]] == open_turn["tokens"] and closed["count"] > open_turn["count"]
+    assert out.usage.prompt_tokens == open_turn["count"]
+    # SmolLM2's template reads no variables: unknown ones change nothing, as with transformers.
+    status, same = _post(server, "/tokenize", {"messages": messages[:1], "chat_template_kwargs": {"x": 1}})
+    assert same["tokens"] == _post(server, "/tokenize", {"messages": messages[:1]})[1]["tokens"]
+
+
 def test_chat_stream_equals_non_stream(client):
     whole = _chat(client, "Name three colors.", max_tokens=24, temperature=0)
     chunks = list(_chat(client, "Name three colors.", max_tokens=24, temperature=0, stream=True,
@@ -374,6 +390,8 @@ def _long_prompt():
     (lambda c: c.completions.create(model=MODEL, prompt="hi", max_tokens=MAX_MODEL_LEN), 400, "max_tokens",
      "context_length_exceeded"),
     (lambda c: _chat(c, "hi", max_tokens=0), 400, "max_tokens", None),
+    (lambda c: _chat(c, "hi", extra_body={"continue_final_message": True}), 400, "continue_final_message",
+     "invalid_value"),
     (lambda c: c.completions.create(model=MODEL, prompt="hi", max_tokens=-3, stream=True), 400, "max_tokens", None),
     (lambda c: _chat(c, "hi", max_completion_tokens=0), 400, "max_completion_tokens", None),
     (lambda c: _chat(c, "hi", temperature=-0.5), 400, "temperature", None),
@@ -396,7 +414,7 @@ def _long_prompt():
     (lambda c: c.completions.create(model="gpt-4o", prompt="hi"), 404, "model", "model_not_found"),
 ], ids=["wrong-type", "wrong-type-nested", "wrong-type-float", "chat-over-context", "prompt-over-context",
         "max-tokens-over-context", "max-completion-tokens-over-context-stream", "completion-max-tokens-over-context",
-        "max-tokens-0", "max-tokens-negative-stream", "max-completion-tokens-0", "negative-temperature",
+        "max-tokens-0", "continue-and-generation-prompt", "max-tokens-negative-stream", "max-completion-tokens-0", "negative-temperature",
         "negative-temperature-stream", "n-0", "top-logprobs-alone", "top-logprobs-21", "logprobs-30",
         "presence-penalty-3", "repetition-penalty-0", "logit-bias-outside-vocab", "bad-json-schema",
         "response-format-yaml", "two-structured-fields", "bad-regex", "unknown-model-chat",

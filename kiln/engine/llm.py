@@ -85,11 +85,16 @@ class LLM:
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Like generate, with each conversation rendered by the model's chat template."""
+             use_tqdm: bool = True, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Like generate, with each conversation rendered by the model's chat template (its options as
+        vLLM's: see Tokenizer.apply_chat_template)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], sampling_params, use_tqdm)
+        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       template_kwargs=chat_template_kwargs)
+        return self.generate([self.tokenizer.encode_chat(c, **options) for c in conversations], sampling_params,
+                             use_tqdm)
 
 
 def _prompt(prompt):

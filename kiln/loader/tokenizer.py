@@ -52,7 +52,15 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+        """The conversation as the model's template writes it. add_generation_prompt: end with the
+        assistant's turn opened; continue_final_message: end inside the last message (its turn left
+        open, for the model to go on with it); template_kwargs: more variables for the template
+        (e.g. Qwen3's enable_thinking), as HF's and vLLM's chat_template_kwargs."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message: it continues the last message, add_generation_prompt opens a "
+                             "new one; set add_generation_prompt to false with it")
         if not self.chat_template:
             raise ValueError("this checkpoint has no chat template; send a plain prompt "
                              "(kiln generate --no-chat, or /v1/completions)")
@@ -62,12 +70,15 @@ class Tokenizer:
             env.globals["raise_exception"] = _raise
             env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
             self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        text = self._template.render(**{"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                                        **(template_kwargs or {}), "messages": messages,
+                                        "add_generation_prompt": add_generation_prompt})
+        return _cut_after_final_message(text, messages) if continue_final_message else text
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], **template_options) -> list[int]:
+        """apply_chat_template's text (template_options: its keyword arguments) as ids."""
         # The template writes any BOS itself; adding it again would double it.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, **template_options), add_special_tokens=False)
 
     @classmethod
     def from_folder(cls, folder: Path, eos_token_ids: tuple[int, ...]) -> "Tokenizer":
@@ -160,6 +171,21 @@ def _sentencepiece_bpe(fields: dict, tokens: list[str], gemma: bool) -> Backend:
 
 def _token_text(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
+
+
+def _cut_after_final_message(text: str, messages: list[dict]) -> str:
+    """The rendered conversation up to the end of its last message's content (what follows closes
+    that turn). A template may trim the message's edge whitespace: then the cut is after the
+    trimmed content."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a last message with text to continue")
+    start = text.rfind(final.strip())
+    if start < 0:
+        raise ValueError("continue_final_message: the chat template changed the last message's text, so where it "
+                         "ends cannot be found; send the conversation without continue_final_message")
+    kept = final.lstrip()  # as written, trailing whitespace included, where the template kept it
+    return text[:start + len(kept)] if text[start:start + len(kept)] == kept else text[:start + len(final.strip())]
 
 
 def _raise(message):

@@ -133,6 +133,10 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict] | None = None
 
     return_token_ids: bool = False  # vLLM's extension; kiln has it on /v1/completions only
+    # vLLM's chat-template options (Tokenizer.apply_chat_template)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
     NEUTRAL: ClassVar[dict[str, tuple]] = {**_SamplingFields.NEUTRAL, "tools": (None, []),
                                            "return_token_ids": (False,)}
@@ -149,6 +153,8 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # unset: on for a prompt, off for messages (the template writes them)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
     return_token_strs: bool = False
 
 

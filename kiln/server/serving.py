@@ -41,11 +41,8 @@ class OpenAIServing:
         self._check_request(req)
         tokenizer = self._tokenizer("chat completions need a tokenizer and chat template; "
                                     "send token ids to /v1/completions")
-        try:
-            # Templating and tokenizing a long conversation take a while: not on the event loop.
-            prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, [m.as_template_input() for m in req.messages])
-        except (ValueError, jinja2.TemplateError) as e:
-            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+        # Templating and tokenizing a long conversation take a while: not on the event loop.
+        prompt_ids = await asyncio.to_thread(_encode_chat, tokenizer, req)
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return await self._run(req, raw, "chat", [prompt_ids], "messages", max_tokens, max_tokens_param)
@@ -68,17 +65,10 @@ class OpenAIServing:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send a prompt or messages (one of the two)", param="prompt", code="invalid_value")
 
-        def ids() -> list[int]:
-            if req.prompt is not None:
-                return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
-            text = tokenizer.apply_chat_template([m.as_template_input() for m in req.messages],
-                                                 add_generation_prompt=req.add_generation_prompt)
-            return tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
-
-        try:
-            tokens = await asyncio.to_thread(ids)
-        except (ValueError, jinja2.TemplateError) as e:
-            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+        if req.prompt is not None:
+            tokens = await asyncio.to_thread(tokenizer.encode, req.prompt, req.add_special_tokens is not False)
+        else:
+            tokens = await asyncio.to_thread(_encode_chat, tokenizer, req, bool(req.add_special_tokens))
         strs = [tokenizer.backend.id_to_token(t) for t in tokens] if req.return_token_strs else None
         return TokenizeResponse(count=len(tokens), max_model_len=self.engine.engine.max_model_len, tokens=tokens,
                                 token_strs=strs)
@@ -186,6 +176,22 @@ class OpenAIServing:
                                                     logprobs=logprobs))
             body = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
         return JSONResponse(body.model_dump())
+
+
+def _encode_chat(tokenizer, req: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool = False) -> list[int]:
+    """The request's messages through the chat template, with its template options, as ids."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(400, "continue_final_message continues the last message and add_generation_prompt opens a "
+                       "new one: set add_generation_prompt to false with it", param="continue_final_message",
+                       code="invalid_value")
+    try:
+        text = tokenizer.apply_chat_template([m.as_template_input() for m in req.messages], req.add_generation_prompt,
+                                             req.continue_final_message, req.chat_template_kwargs)
+    except Exception as e:  # the template runs on what the request sent (chat_template_kwargs too): any error is its
+        raise APIError(400, f"the chat template refused the messages: {type(e).__name__}: {e}",
+                       param="messages") from None
+    # The template writes any BOS itself; adding it again would double it.
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
