@@ -61,6 +61,12 @@ def test_gguf_of_another_architecture(tmp_path):
     ({"best_of": 3}, "best_of=3 is not supported by kiln yet"),
     ({"logprobs": 25}, r"logprobs must be an integer in \[0, 20\]"),
     ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
+    ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+    ({"allowed_token_ids": [3, -1]}, "allowed_token_ids must be a non-empty list of token ids"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be an integer >= 1"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be an integer >= 1"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens must be true or false"),
+    ({"detokenize": False, "stop": ["."]}, "detokenize=False leaves no text"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):

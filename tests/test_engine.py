@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
+from kiln.engine.detokenizer import IncrementalDetokenizer
 
 PROMPTS = [
     "The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
@@ -76,6 +77,42 @@ def test_chat_stops_at_end_of_turn(llm):
                         SamplingParams(max_tokens=3, temperature=0), add_generation_prompt=False,
                         continue_final_message=True)[0]
     assert going_on.text.startswith(" Paris")
+
+
+def test_allowed_tokens_truncation_and_detokenizing_as_vllm(llm):
+    """vLLM's allowed_token_ids (greedy and sampled rows in one batch), truncate_prompt_tokens (the
+    prompt's last k ids), skip_special_tokens and detokenize."""
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode(" yes no maybe")
+    free = llm.generate("Is the sky blue? Answer:", SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+    only = [i for i in ids if i not in free.outputs[0].token_ids[:1]]
+    outs = llm.generate(["Is the sky blue? Answer:"] * 2,
+                        [SamplingParams(max_tokens=4, temperature=0, allowed_token_ids=only),
+                         SamplingParams(max_tokens=6, temperature=1.0, seed=3, allowed_token_ids=only)], use_tqdm=False)
+    assert all(t in only for o in outs for t in o.outputs[0].token_ids)
+    with pytest.raises(ValueError, match=r"allowed_token_ids must lie in \[0, 49152\)"):
+        llm.generate("Hi", SamplingParams(allowed_token_ids=[49152]), use_tqdm=False)
+
+    prompt = tokenizer.encode("Once upon a time there was a small village by the sea")
+    cut = llm.generate(prompt, SamplingParams(max_tokens=5, temperature=0, truncate_prompt_tokens=4), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-4:]
+    assert cut.outputs[0].token_ids == llm.generate(prompt[-4:], SamplingParams(max_tokens=5, temperature=0),
+                                                    use_tqdm=False)[0].outputs[0].token_ids
+
+    chat = tokenizer.encode_chat([{"role": "user", "content": "Say hi."}])
+    plain, special = (llm.generate(chat, SamplingParams(max_tokens=40, temperature=0, skip_special_tokens=skip),
+                                   use_tqdm=False)[0].outputs[0] for skip in (True, False))
+    # The end-of-turn token that stops it is not text either way (as in vLLM); a special token inside is.
+    assert plain.token_ids == special.token_ids and plain.token_ids[-1] in llm.engine.eos_token_ids
+    assert special.text == plain.text
+    inside = tokenizer.encode("<|im_start|>assistant\nHi")
+    for skip, text in ((True, "assistant\nHi"), (False, "<|im_start|>assistant\nHi")):
+        detokenizer = IncrementalDetokenizer(tokenizer, [], False, skip_special_tokens=skip)
+        for token in inside:
+            detokenizer.add(token)
+        assert detokenizer.text == text
+    silent = llm.generate(chat, SamplingParams(max_tokens=40, temperature=0, detokenize=False), use_tqdm=False)[0]
+    assert silent.outputs[0].token_ids == plain.token_ids and silent.outputs[0].text == ""
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):

@@ -23,6 +23,18 @@ def test_top_k_and_top_p_restrict_the_choice():
         assert sample(logits, [SamplingParams(top_p=0.7)], [gen]).item() in (0, 1)
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_top_k_past_the_vocabulary_keeps_every_token(top_p):
+    """Even one past what fp32 holds (the API's fuzz sent 2**63 - 1: it indexed out of bounds)."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0))
+    for k in (301, 2**40, 2**63 - 1):
+        params = [SamplingParams(top_k=k, top_p=top_p, seed=i) for i in range(4)]
+        drawn = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(4)])
+        every = sample(logits, [SamplingParams(top_p=top_p, seed=i) for i in range(4)],
+                       [torch.Generator().manual_seed(i) for i in range(4)])
+        assert drawn.tolist() == every.tolist()
+
+
 def test_sampling_follows_the_distribution():
     """The CPU's draw (the GPU's Gumbel kernel: test_triton_kernels.py)."""
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).repeat(4000, 1)

@@ -280,6 +280,19 @@ def test_chat_continues_the_final_message_and_passes_template_variables(server, 
     assert same["tokens"] == _post(server, "/tokenize", {"messages": messages[:1]})[1]["tokens"]
 
 
+def test_vllm_s_prompt_truncation_and_allowed_tokens(client):
+    cut = client.completions.create(model=MODEL, prompt=[504, 3458, 282, 4649, 314], max_tokens=2, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 3, "return_token_ids": True}).choices[0]
+    assert cut.prompt_token_ids == [282, 4649, 314]
+    long = "hello " * (MAX_MODEL_LEN + 10)  # fits once cut
+    assert client.completions.create(model=MODEL, prompt=long, max_tokens=2,
+                                     extra_body={"truncate_prompt_tokens": 100}).usage.prompt_tokens == 100
+    allowed = [330, 1186, 2001]
+    out = client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=4, temperature=1.0, seed=1,
+                                    extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    assert set(out.choices[0].token_ids) <= set(allowed)
+
+
 def test_chat_stream_equals_non_stream(client):
     whole = _chat(client, "Name three colors.", max_tokens=24, temperature=0)
     chunks = list(_chat(client, "Name three colors.", max_tokens=24, temperature=0, stream=True,
@@ -390,6 +403,10 @@ def _long_prompt():
     (lambda c: c.completions.create(model=MODEL, prompt="hi", max_tokens=MAX_MODEL_LEN), 400, "max_tokens",
      "context_length_exceeded"),
     (lambda c: _chat(c, "hi", max_tokens=0), 400, "max_tokens", None),
+    (lambda c: _chat(c, "hi", extra_body={"allowed_token_ids": []}), 400, "allowed_token_ids", "invalid_value"),
+    (lambda c: _chat(c, "hi", extra_body={"allowed_token_ids": [49152]}), 400, "allowed_token_ids", None),
+    (lambda c: _chat(c, "hi", extra_body={"truncate_prompt_tokens": 0}), 400, "truncate_prompt_tokens",
+     "invalid_value"),
     (lambda c: _chat(c, "hi", extra_body={"continue_final_message": True}), 400, "continue_final_message",
      "invalid_value"),
     (lambda c: c.completions.create(model=MODEL, prompt="hi", max_tokens=-3, stream=True), 400, "max_tokens", None),
@@ -414,7 +431,8 @@ def _long_prompt():
     (lambda c: c.completions.create(model="gpt-4o", prompt="hi"), 404, "model", "model_not_found"),
 ], ids=["wrong-type", "wrong-type-nested", "wrong-type-float", "chat-over-context", "prompt-over-context",
         "max-tokens-over-context", "max-completion-tokens-over-context-stream", "completion-max-tokens-over-context",
-        "max-tokens-0", "continue-and-generation-prompt", "max-tokens-negative-stream", "max-completion-tokens-0", "negative-temperature",
+        "max-tokens-0", "allowed-token-ids-empty", "allowed-token-ids-outside-vocab", "truncate-prompt-tokens-0",
+        "continue-and-generation-prompt", "max-tokens-negative-stream", "max-completion-tokens-0", "negative-temperature",
         "negative-temperature-stream", "n-0", "top-logprobs-alone", "top-logprobs-21", "logprobs-30",
         "presence-penalty-3", "repetition-penalty-0", "logit-bias-outside-vocab", "bad-json-schema",
         "response-format-yaml", "two-structured-fields", "bad-regex", "unknown-model-chat",

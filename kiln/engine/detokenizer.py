@@ -6,8 +6,8 @@ from kiln.loader.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], include_stop: bool):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], include_stop: bool, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.stop, self.include_stop = stop, include_stop
         self.ids: list[int] = []
         self.text = ""
@@ -21,8 +21,8 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         # Decode a short window twice and keep the difference: a token may be only part
         # of a UTF-8 character, or change how the token before it renders.
-        before = self.tokenizer.decode(self.ids[self._prefix_offset:self._read_offset])
-        after = self.tokenizer.decode(self.ids[self._prefix_offset:])
+        before = self.tokenizer.decode(self.ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
+        after = self.tokenizer.decode(self.ids[self._prefix_offset:], self.skip_special_tokens)
         if after.endswith("\ufffd"):
             return False
         new = after[len(before):]

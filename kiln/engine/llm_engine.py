@@ -86,6 +86,7 @@ class LLMEngine:
             text, ids = None, list(prompt)
         if not ids:
             raise ValueError("the prompt is empty: send at least one token of text")
+        ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens but the context holds "
                              f"{self.max_model_len} (max_model_len), prompt and output together; "
@@ -96,6 +97,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must lie in [0, {vocab}), got {max(params.logit_bias)}")
+        if params.allowed_token_ids and params.allowed_token_ids[-1] >= vocab:
+            raise ValueError(f"allowed_token_ids must lie in [0, {vocab}), got {params.allowed_token_ids[-1]}")
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError(f"structured output needs the model's tokenizer, and {self.source.name!r} has none")
         grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs is not None else None
@@ -109,8 +112,9 @@ class LLMEngine:
         group = []
         for index, seq_id in enumerate(seq_ids):
             detok = None
-            if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+            if self.tokenizer is not None and params.detokenize:
+                detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                               params.skip_special_tokens)
             seq = Sequence(seq_id, text, ids, params, detok, request_id, index)
             if not params.ignore_eos:
                 seq.stop_ids |= self.eos_token_ids
@@ -271,3 +275,11 @@ def _token_ids(ids: list) -> list[int]:
             raise ValueError(f"prompt token ids must be integers, got {type(t).__name__} {t!r}; pass text as a "
                              f"string, or token ids as a list of ints") from None
     return out
+
+
+def truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """SamplingParams.truncate_prompt_tokens: the prompt's last `keep` ids (-1: as many as the
+    context holds); None: all of them."""
+    if keep is None:
+        return ids
+    return ids[-(max_model_len if keep == -1 else keep):]

@@ -82,19 +82,26 @@ def needs_history(params: SamplingParams) -> bool:
 def plain(params: SamplingParams) -> bool:
     """Whether a row's logits go to the cuts as the model made them (no logit_bias, penalties or
     min_tokens): what a fixed program, such as a CUDA graph's, can sample."""
-    return not params.logit_bias and not needs_history(params)
+    return not params.logit_bias and not params.allowed_token_ids and not needs_history(params)
 
 
 def apply_controls(logits: torch.Tensor, params: list[SamplingParams], history: list[RowHistory] | None,
                    in_flight: torch.Tensor | None) -> torch.Tensor:
-    """The logits with each row's logit_bias, min_tokens and penalties applied (a new tensor
-    where any applies)."""
+    """The logits with each row's allowed_token_ids, logit_bias, min_tokens and penalties applied
+    (a new tensor where any applies)."""
+    restricted = [i for i, p in enumerate(params) if p.allowed_token_ids]
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     masked = [i for i, p in enumerate(params) if p.min_tokens and history[i].num_output < p.min_tokens]
     penalised = [i for i, p in enumerate(params) if p.has_penalties]
-    if not (biased or masked or penalised):
+    if not (restricted or biased or masked or penalised):
         return logits
     logits, dev = logits.clone(), logits.device
+    if restricted:  # every token but the allowed ones at -inf
+        index = to_device(restricted, torch.long, dev)
+        keep = torch.zeros(len(restricted), logits.shape[1], dtype=torch.bool)
+        for j, i in enumerate(restricted):
+            keep[j, params[i].allowed_token_ids] = True
+        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~host_to(keep, dev), float("-inf")))
     if biased:
         rows = [i for i in biased for _ in params[i].logit_bias]
         ids = [t for i in biased for t in params[i].logit_bias]
@@ -178,6 +185,9 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 # Up to this top_k, the tokens top-p ranks are topk's picks; past it (or without top-k) the row is sorted.
 TOP_K_SELECT_MAX = 1024
+# settings_of's top_k at most (fp32 holds it exactly; any k past the vocabulary keeps every token): a
+# larger one (e.g. 2**63 - 1) became INT64_MIN through fp32 and indexed out of bounds.
+TOP_K_HELD_MAX = 2**24
 # What settings_of holds for each row, in this order.
 SETTINGS = ("temperature", "min_p", "top_p", "top_k", "greedy")
 
@@ -187,7 +197,7 @@ def settings_of(params: list[SamplingParams]) -> torch.Tensor:
     (temperature 1, min_p 0, top_p 1, top_k 0) and greedy 1; top_k is 0 where off (fp32 holds it
     exactly)."""
     return torch.tensor([[1.0, 0.0, 1.0, 0.0, 1.0] if p.greedy else
-                         [p.temperature, p.min_p, p.top_p, max(p.top_k, 0), 0.0] for p in params],
+                         [p.temperature, p.min_p, p.top_p, min(max(p.top_k, 0), TOP_K_HELD_MAX), 0.0] for p in params],
                         dtype=torch.float32).reshape(-1, len(SETTINGS)).T.contiguous()
 
 

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 SUPPORTED = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
              "ignore_eos", "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "prompt_logprobs", "structured_outputs",
-             "guided_decoding", "output_kind")
+             "guided_decoding", "output_kind", "allowed_token_ids", "truncate_prompt_tokens", "skip_special_tokens",
+             "detokenize")
 MAX_LOGPROBS = 20  # top log probabilities a token may ask for (OpenAI's limit)
 # vLLM's fields kiln does not implement yet, each with the value that leaves it off.
 MAX_N = 64  # choices a request may ask for
 UNSUPPORTED_DEFAULTS = {
-    "best_of": None, "detokenize": True, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-    "logits_processors": None, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None,
+    "best_of": None, "spaces_between_special_tokens": True, "logits_processors": None, "bad_words": None,
     "extra_args": None,
 }
 
@@ -117,6 +117,22 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (the top log probabilities "
                                  f"returned beside the chosen token's) or None, got {value!r}")
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_count(t) for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), "
+                                 f"got {ids!r}")
+            self.allowed_token_ids = sorted(set(ids))
+        if self.truncate_prompt_tokens is not None and (
+                not _count(self.truncate_prompt_tokens) and self.truncate_prompt_tokens != -1
+                or self.truncate_prompt_tokens == 0):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 (keep the prompt's last that many "
+                             f"tokens) or -1 (as many as the context holds), got {self.truncate_prompt_tokens!r}")
+        for name in ("skip_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not self.detokenize and self.stop:
+            raise ValueError("detokenize=False leaves no text to find stop strings in; drop stop or detokenize")
         if self.guided_decoding is not None:  # vLLM's older name
             if self.structured_outputs is not None:
                 raise ValueError("structured_outputs and guided_decoding are the same setting (the older name); "

@@ -51,6 +51,9 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True
     n: int = 1
     # Structured output: OpenAI's response_format ({"type": "json_object"} or {"type": "json_schema",
     # "json_schema": {"schema": ...}}), vLLM's structured_outputs object and its older guided_* fields.

@@ -8,11 +8,11 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kiln.engine.async_engine import AsyncEngine, EngineNotReady, RequestAborted
+from kiln.engine.llm_engine import truncated
 from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.structured_output import StructuredOutputsParams
@@ -25,7 +25,8 @@ from kiln.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                   TokenizeRequest, TokenizeResponse, TopLogprob, Usage, new_id)
 
 _SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "stop", "seed", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
+                    "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
+                    "truncate_prompt_tokens", "skip_special_tokens")
 
 
 class OpenAIServing:
@@ -110,6 +111,8 @@ class OpenAIServing:
         """Run the request's prompts (one, but for a /v1/completions list) as one response: prompt
         i's choice j is choice i * n + j, as in OpenAI's and vLLM's answers."""
         max_model_len = self.engine.engine.max_model_len
+        # Cut before the length checks, as the engine would (vLLM's left truncation).
+        prompts = [truncated(p, req.truncate_prompt_tokens, max_model_len) for p in prompts]
         params = []
         for i, prompt_ids in enumerate(prompts):
             which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
@@ -236,7 +239,9 @@ def _sampling_params(req, max_tokens: int, max_tokens_param: str) -> SamplingPar
                               include_stop_str_in_output=req.include_stop_str_in_output,
                               presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                               repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias,
-                              min_tokens=req.min_tokens, logprobs=req.num_logprobs, structured_outputs=structured)
+                              min_tokens=req.min_tokens, logprobs=req.num_logprobs, structured_outputs=structured,
+                              allowed_token_ids=req.allowed_token_ids, truncate_prompt_tokens=req.truncate_prompt_tokens,
+                              skip_special_tokens=req.skip_special_tokens)
     except ValueError as e:
         # SamplingParams' messages start with the field they are about.
         message = str(e)
