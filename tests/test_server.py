@@ -293,6 +293,50 @@ def test_vllm_s_prompt_truncation_and_allowed_tokens(client):
     assert set(out.choices[0].token_ids) <= set(allowed)
 
 
+def test_echo_writes_the_prompt_back_with_its_logprobs(server, client):
+    """Completions' echo, as lm-evaluation-harness scores a continuation: the prompt's text, then the
+    choice's; with logprobs the prompt's tokens' too (the first has none)."""
+    ids = [504, 3458, 282, 4649, 314]
+    prompts = ["The capital of France is", "Once upon a time"]
+    plain = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=3, temperature=0, echo=True)
+    texts = [c.text for c in plain.choices]
+    assert texts[0].startswith("The capital of France is ") and texts[0] == texts[1]
+    assert texts[2].startswith("Once upon a time") and len(texts[2]) > len(prompts[1])
+    spelled = _post(server, "/detokenize", {"tokens": ids})[1]["prompt"]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True)
+    assert by_ids.choices[0].text.startswith(spelled) and len(by_ids.choices[0].text) > len(spelled)
+    streamed = {i: "" for i in range(4)}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=3, temperature=0,
+                                           echo=True, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert list(streamed.values()) == texts
+
+    scored = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True,
+                                       logprobs=1).choices[0]
+    lp = scored.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and "".join(lp.tokens) == scored.text
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    alone = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1).choices[0]
+    assert lp.token_logprobs[-1] == pytest.approx(alone.logprobs.token_logprobs[0], abs=1e-5)
+    # The token generated after the prompt, scored as a prompt token of a longer prompt: its log
+    # probability again, from the prefill instead of the decode.
+    longer = client.completions.create(model=MODEL, prompt=ids + [scored_id(client, ids)], max_tokens=1,
+                                       temperature=0, echo=True, logprobs=1).choices[0].logprobs
+    assert longer.token_logprobs[len(ids)] == pytest.approx(lp.token_logprobs[-1], abs=1e-4)
+    assert longer.token_logprobs[:len(ids)] == pytest.approx(lp.token_logprobs[:len(ids)], abs=1e-4)
+
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs is answered whole") as info:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True, logprobs=1, stream=True)
+    assert info.value.body["param"] == "echo"
+
+
+def scored_id(client, ids: list[int]) -> int:
+    return client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
+                                     extra_body={"return_token_ids": True}).choices[0].token_ids[0]
+
+
 def test_chat_stream_equals_non_stream(client):
     whole = _chat(client, "Name three colors.", max_tokens=24, temperature=0)
     chunks = list(_chat(client, "Name three colors.", max_tokens=24, temperature=0, stream=True,

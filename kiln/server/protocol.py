@@ -91,7 +91,7 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
-    NEUTRAL: ClassVar[dict[str, tuple]] = {**_SamplingFields.NEUTRAL, "echo": (False,), "best_of": (None, 1),
+    NEUTRAL: ClassVar[dict[str, tuple]] = {**_SamplingFields.NEUTRAL, "best_of": (None, 1),
                                            "suffix": (None,)}
 
     @property
@@ -191,8 +191,8 @@ class CompletionLogprobs(BaseModel):
     """/v1/completions' legacy shape: per token its text, its log probability, the top ones by
     text, and where its text starts in the choice's text."""
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

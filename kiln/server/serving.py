@@ -53,11 +53,36 @@ class OpenAIServing:
         # Several prompts (a list of strings or of token-id lists) run side by side, as in OpenAI's API.
         several = isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list))
         prompts = list(req.prompt) if several else [req.prompt]
+        texts = [prompt if isinstance(prompt, str) else None for prompt in prompts]
         if any(isinstance(prompt, str) for prompt in prompts):
             tokenizer = self._tokenizer("this model has no tokenizer: send the prompt as token ids")
             prompts = await asyncio.to_thread(
                 lambda: [tokenizer.encode(prompt) if isinstance(prompt, str) else prompt for prompt in prompts])
-        return await self._run(req, raw, "completions", prompts, "prompt", req.max_tokens, "max_tokens")
+        return await self._run(req, raw, "completions", prompts, "prompt", req.max_tokens, "max_tokens",
+                               texts if req.echo else None)
+
+    async def _echo_texts(self, req: CompletionRequest, texts: list[str | None], whole: list[list[int]],
+                          prompts: list[list[int]]) -> list[str]:
+        """What echo writes back: each prompt as sent, or its ids as text where sent as ids or truncated."""
+        if req.stream and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs is answered whole, not streamed; leave out stream (or logprobs)",
+                           param="echo", code="unsupported_parameter")
+        tokenizer = self._tokenizer("echo needs the model's tokenizer to write the prompt back as text")
+        return await asyncio.to_thread(lambda: [
+            text if text is not None and len(ids) == len(sent) else tokenizer.decode(ids, False)
+            for text, sent, ids in zip(texts, whole, prompts)])
+
+    def _echo_logprobs(self, prompt_ids: list[int], prompt_entries: list, choice) -> CompletionLogprobs:
+        """The prompt's log probabilities (none for its first token, which nothing predicts), then the choice's."""
+        first = self.engine.engine.tokenizer.decode(prompt_ids[:1], False)
+        result = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+        for ids, entries in ((prompt_ids[1:], prompt_entries[1:]), (choice.token_ids, choice.logprobs)):
+            part = completion_logprobs(ids, entries, result.text_offset[-1] + len(result.tokens[-1]))
+            result.tokens += part.tokens
+            result.token_logprobs += part.token_logprobs
+            result.top_logprobs += part.top_logprobs
+            result.text_offset += part.text_offset
+        return result
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         """vLLM's /tokenize: the ids a prompt (or messages, through the chat template) becomes."""
@@ -107,12 +132,15 @@ class OpenAIServing:
         return tokenizer
 
     async def _run(self, req, raw: Request, endpoint: str, prompts: list[list[int]], prompt_param: str,
-                   max_tokens: int | None, max_tokens_param: str) -> Response:
+                   max_tokens: int | None, max_tokens_param: str, echo: list[str | None] | None = None) -> Response:
         """Run the request's prompts (one, but for a /v1/completions list) as one response: prompt
-        i's choice j is choice i * n + j, as in OpenAI's and vLLM's answers."""
+        i's choice j is choice i * n + j, as in OpenAI's and vLLM's answers. echo (completions' echo:
+        each prompt's text as sent, None where sent as ids): each choice starts with its prompt."""
         max_model_len = self.engine.engine.max_model_len
         # Cut before the length checks, as the engine would (vLLM's left truncation).
-        prompts = [truncated(p, req.truncate_prompt_tokens, max_model_len) for p in prompts]
+        whole, prompts = prompts, [truncated(p, req.truncate_prompt_tokens, max_model_len) for p in prompts]
+        if echo is not None:
+            echo = await self._echo_texts(req, echo, whole, prompts)
         params = []
         for i, prompt_ids in enumerate(prompts):
             which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
@@ -127,7 +155,8 @@ class OpenAIServing:
                                f"together; ask for at most {room}, or leave {max_tokens_param} out to generate "
                                f"until the context is full", param=max_tokens_param, code="context_length_exceeded")
             # Left out, max_tokens is as much as the context leaves.
-            params.append(_sampling_params(req, room if max_tokens is None else max_tokens, max_tokens_param))
+            params.append(_sampling_params(req, room if max_tokens is None else max_tokens, max_tokens_param,
+                                           echo is not None))
         request_id = new_id("chatcmpl" if endpoint == "chat" else "cmpl")
         # The engine's ids are the response's, one a prompt where there are several.
         engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -154,7 +183,7 @@ class OpenAIServing:
         if req.stream:
             stream = _ChatStream if endpoint == "chat" else _CompletionStream
             events = stream(request_id, self.model_name, req.include_usage, n, params[0], prompts,
-                            getattr(req, "return_token_ids", False))
+                            getattr(req, "return_token_ids", False), echo)
             return StreamingResponse(events.run(outputs, timer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         final = await _last_output(outputs, raw, timer)
@@ -168,14 +197,21 @@ class OpenAIServing:
             body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
         else:
             choices = []
+            # _side_by_side's prompt_logprobs are each prompt's
+            prompt_logprobs = [final.prompt_logprobs] if len(prompts) == 1 else final.prompt_logprobs
             for c in final.outputs:
-                logprobs = completion_logprobs(c.token_ids, c.logprobs, 0)
+                prompt = c.index // n
+                text, logprobs = c.text, completion_logprobs(c.token_ids, c.logprobs, 0)
+                if echo is not None:
+                    text = echo[prompt] + c.text
+                    if logprobs is not None:
+                        logprobs = self._echo_logprobs(prompts[prompt], prompt_logprobs[prompt], c)
                 if req.return_token_ids:
-                    choices.append(CompletionChoiceWithTokens(index=c.index, text=c.text, finish_reason=c.finish_reason,
-                                                              logprobs=logprobs, prompt_token_ids=prompts[c.index // n],
+                    choices.append(CompletionChoiceWithTokens(index=c.index, text=text, finish_reason=c.finish_reason,
+                                                              logprobs=logprobs, prompt_token_ids=prompts[prompt],
                                                               token_ids=list(c.token_ids)))
                 else:
-                    choices.append(CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                    choices.append(CompletionChoice(index=c.index, text=text, finish_reason=c.finish_reason,
                                                     logprobs=logprobs))
             body = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
         return JSONResponse(body.model_dump())
@@ -230,7 +266,7 @@ def structured_output(req) -> tuple[StructuredOutputsParams | None, str | None]:
         raise APIError(400, str(e), param=name, code="invalid_value") from None
 
 
-def _sampling_params(req, max_tokens: int, max_tokens_param: str) -> SamplingParams:
+def _sampling_params(req, max_tokens: int, max_tokens_param: str, echo: bool = False) -> SamplingParams:
     structured, structured_param = structured_output(req)
     try:
         return SamplingParams(n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
@@ -241,7 +277,9 @@ def _sampling_params(req, max_tokens: int, max_tokens_param: str) -> SamplingPar
                               repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias,
                               min_tokens=req.min_tokens, logprobs=req.num_logprobs, structured_outputs=structured,
                               allowed_token_ids=req.allowed_token_ids, truncate_prompt_tokens=req.truncate_prompt_tokens,
-                              skip_special_tokens=req.skip_special_tokens)
+                              skip_special_tokens=req.skip_special_tokens,
+                              # echo's logprobs start with the prompt's
+                              prompt_logprobs=req.num_logprobs if echo else None)
     except ValueError as e:
         # SamplingParams' messages start with the field they are about.
         message = str(e)
@@ -296,7 +334,8 @@ async def _side_by_side(streams: list[AsyncIterator[RequestOutput]], request_id:
                         n: int) -> AsyncIterator[RequestOutput]:
     """Several prompts' outputs as one request's: each item holds every prompt's newest choices,
     prompt i's choice j as choice i * n + j (a prompt with no output yet: empty ones), finished
-    once all are. Closed early (a disconnect), it aborts the prompts still running."""
+    once all are, and in prompt_logprobs each prompt's. Closed early (a disconnect), it aborts the
+    prompts still running."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
@@ -319,7 +358,8 @@ async def _side_by_side(streams: list[AsyncIterator[RequestOutput]], request_id:
             for prompt, out in enumerate(latest):
                 choices += [CompletionOutput(prompt * n + j, "", []) for j in range(n)] if out is None else \
                     [replace(c, index=prompt * n + c.index) for c in out.outputs]
-            yield RequestOutput(request_id, None, [], choices, all(o is not None and o.finished for o in latest))
+            yield RequestOutput(request_id, None, [], choices, all(o is not None and o.finished for o in latest),
+                                prompt_logprobs=[o.prompt_logprobs if o is not None else None for o in latest])
     finally:
         for task in tasks:
             task.cancel()
@@ -349,7 +389,7 @@ class _SSEStream:
     usage, then [DONE]."""
 
     def __init__(self, request_id: str, model: str, include_usage: bool, n: int, params: SamplingParams,
-                 prompts: list[list[int]], return_token_ids: bool = False):
+                 prompts: list[list[int]], return_token_ids: bool = False, echo: list[str] | None = None):
         """n choices a prompt (choice i is prompt i // n's); params: any prompt's (they differ in
         max_tokens alone)."""
         self.request_id, self.model, self.include_usage = request_id, model, include_usage
@@ -359,6 +399,7 @@ class _SSEStream:
         # has none); the prompt's ids ride on each choice's first chunk.
         self.return_token_ids = return_token_ids
         self.prompts, self.choices_per_prompt = prompts, n
+        self.echo = echo  # completions' echo: each prompt's text, sent before its choices' tokens
         # Text that may be the start of a stop string is held back until it is known not to
         # be one: the engine cuts a stop string out of the text only once it is complete.
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -442,7 +483,9 @@ class _CompletionStream(_SSEStream):
         return CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)
 
     def first_chunk(self, index):
-        return None
+        if self.echo is None:
+            return None
+        return self._chunk([CompletionChoice(index=index, text=self.echo[index // self.choices_per_prompt])])
 
     def text_chunk(self, index, text, token_ids, logprobs, text_start, prompt_ids):
         logprobs = completion_logprobs(token_ids, logprobs, text_start)
