@@ -88,9 +88,9 @@ def test_sampling_params_take_vllm_s_names_and_refuse_what_kiln_does_not_do():
     p = SamplingParams(n=1, presence_penalty=0.0, logprobs=None, top_k=0, stop="x", max_tokens=None)
     assert p.top_k_or_none is None and p.stop == ["x"] and p.max_tokens is None
     assert SamplingParams(top_k=-1).top_k_or_none is None and SamplingParams(top_k=5).top_k_or_none == 5
-    with pytest.raises(ValueError, match=r"bad_words=\['x'\] is not supported by kiln yet .leave it at None.; "
-                                         r"kiln honours n, max_tokens, temperature"):
-        SamplingParams(bad_words=["x"])
+    with pytest.raises(ValueError, match=r"logits_processors=\[<built-in function abs>\] is not supported by kiln "
+                                         r"yet .leave it at None.; kiln honours n, max_tokens, temperature"):
+        SamplingParams(logits_processors=[abs])
     with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
         SamplingParams(temprature=0.5)
 

@@ -37,7 +37,7 @@ SAMPLING = {
     "guided_choice": values | st.lists(st.text(max_size=4), max_size=3),
     "structured_outputs": values | st.sampled_from([{"json_object": True}, {"regex": "x+"}, {"bad": 1}]),
     "model": values, "allowed_token_ids": token_ids | values, "truncate_prompt_tokens": numbers | values,
-    "skip_special_tokens": st.booleans() | values,
+    "skip_special_tokens": st.booleans() | values, "bad_words": st.lists(st.text(max_size=6), max_size=3) | values,
 }
 COMPLETION = {**SAMPLING, "prompt": st.text(max_size=20) | token_ids | st.lists(st.text(max_size=8), max_size=2)
               | st.lists(token_ids, max_size=2) | values, "echo": values, "logprobs": values}

@@ -159,3 +159,55 @@ def test_logprobs_equal_hf_transformers_on_smollm2(hf_smollm2):
         assert abs(entry[token].logprob - reference[len(prompt) - 1 + step][token].item()) < 1e-4
     for position, entry in enumerate(out.prompt_logprobs[1:], 1):
         assert abs(entry[prompt[position]].logprob - reference[position - 1][prompt[position]].item()) < 1e-4
+
+
+def test_bad_words_mask_a_words_last_token_after_the_rest():
+    """_ban_words on hand-made histories: the last token of a word is banned where the output ends
+    with the rest of it, the newest token (pending on the device) compared there."""
+    from kiln.engine.sampler import RowHistory, apply_controls
+
+    def banned(output, words=((5, 7),), pending=None):
+        history = RowHistory([1], list(output), None if pending is None else 0, frozenset(), tuple(words))
+        in_flight = None if pending is None else torch.tensor([pending])
+        out = apply_controls(torch.zeros(1, 10), [SamplingParams(temperature=0, bad_words=["x"])], [history],
+                             in_flight)
+        return set((out[0] == -math.inf).nonzero().flatten().tolist())
+
+    assert banned([], words=((4,),)) == {4} and banned([3]) == set() and banned([5]) == {7}
+    assert banned([3], pending=5) == {7} and banned([5], pending=6) == set()
+    three = ((3, 5, 7),)
+    assert banned([2, 3], three, pending=5) == {7} and banned([2, 4], three, pending=5) == set()
+    assert banned([], three, pending=5) == set() and banned([3, 5], three) == {7}
+    two = ((5, 7), (6, 7))  # one banned token after either of two pending ones
+    assert banned([1], two, pending=6) == {7} and banned([1], two, pending=5) == {7}
+    assert banned([1], two, pending=4) == set()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_bad_words_follow_vllms_rule_in_the_engine(async_scheduling):
+    """Greedy with bad_words equals the model's own greedy with the words' last tokens masked where
+    the output ends with the rest (SmolLM2, fp32; async: the newest token still on the device)."""
+    from kiln.engine.llm_engine import bad_word_ids
+
+    llm = LLM("smollm2", device="cpu", dtype="float32", async_scheduling=async_scheduling, max_model_len=256)
+    tokenizer = llm.get_tokenizer()
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    words = ["Paris", "capital of"]
+    banned_ids = bad_word_ids(tokenizer, words)
+    assert any(len(w) > 1 for w in banned_ids)
+    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].token_ids
+    got = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, bad_words=words))[0].token_ids
+    model, out = llm.engine.runner.model, []
+    while len(out) < 12:
+        ids = prompt + out
+        with torch.inference_mode(), set_forward_context(None, {}):
+            logits = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))[-1]
+        logits = logits.clone()  # a normal tensor, to edit
+        for word in banned_ids:
+            if len(out) >= len(word) - 1 and tuple(out[len(out) - len(word) + 1:]) == word[:-1]:
+                logits[word[-1]] = -math.inf
+        out.append(int(logits.argmax()))
+        if out[-1] in llm.engine.eos_token_ids:
+            break
+    assert got == out and got != free
+    assert not any(tuple(got[i:i + len(w)]) == w for w in banned_ids for i in range(len(got)))

@@ -291,6 +291,10 @@ def test_vllm_s_prompt_truncation_and_allowed_tokens(client):
     out = client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=4, temperature=1.0, seed=1,
                                     extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
     assert set(out.choices[0].token_ids) <= set(allowed)
+    free = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2, temperature=0)
+    banned = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2, temperature=0,
+                                       extra_body={"bad_words": ["Paris"]})
+    assert "Paris" in free.choices[0].text and "Paris" not in banned.choices[0].text
 
 
 def test_echo_writes_the_prompt_back_with_its_logprobs(server, client):

@@ -99,6 +99,13 @@ class LLMEngine:
             raise ValueError(f"logit_bias token ids must lie in [0, {vocab}), got {max(params.logit_bias)}")
         if params.allowed_token_ids and params.allowed_token_ids[-1] >= vocab:
             raise ValueError(f"allowed_token_ids must lie in [0, {vocab}), got {params.allowed_token_ids[-1]}")
+        bad_words = ()
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError(f"bad_words needs the model's tokenizer, and {self.source.name!r} has none")
+            bad_words = bad_word_ids(self.tokenizer, params.bad_words)
+            if any(t >= vocab for word in bad_words for t in word):
+                raise ValueError(f"bad_words: a word's tokens lie outside the model's [0, {vocab})")
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError(f"structured output needs the model's tokenizer, and {self.source.name!r} has none")
         grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs is not None else None
@@ -116,6 +123,7 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
                                                params.skip_special_tokens)
             seq = Sequence(seq_id, text, ids, params, detok, request_id, index)
+            seq.bad_words = bad_words
             if not params.ignore_eos:
                 seq.stop_ids |= self.eos_token_ids
             if index and self.config.enable_prefix_caching:
@@ -275,6 +283,19 @@ def _token_ids(ids: list) -> list[int]:
             raise ValueError(f"prompt token ids must be integers, got {type(t).__name__} {t!r}; pass text as a "
                              f"string, or token ids as a list of ints") from None
     return out
+
+
+def bad_word_ids(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's reading of bad_words: each word's tokens as written at the start of the text, and as
+    after a space where that starts with another token and is as long (a word mid-sentence)."""
+    found = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        found.append(tuple(plain))
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            found.append(tuple(spaced))
+    return tuple(found)
 
 
 def truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

@@ -520,7 +520,8 @@ class ModelRunner:
 
     def _history(self, seq: Sequence) -> RowHistory:
         pending = self._pending_index(seq, 1) if seq.num_pending_tokens else None
-        return RowHistory(seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, pending, seq.stop_ids)
+        return RowHistory(seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, pending, seq.stop_ids,
+                          seq.bad_words)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> list[tuple]:
         """(sequence, first position, TokenLogprobs of each row, the prompt tokens they predict) for

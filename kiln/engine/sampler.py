@@ -25,12 +25,13 @@ from kiln.engine.structured_output import allowed_tokens
 
 @dataclass
 class RowHistory:
-    """What min_tokens and the penalties read of one row's sequence."""
+    """What min_tokens, bad_words and the penalties read of one row's sequence."""
 
     prompt: list[int]
     output: list[int]  # output tokens known on the host
     pending: int | None  # its newest token, still on the device: an index into `in_flight`
     stop_ids: frozenset[int]  # EOS and stop_token_ids: masked while fewer than min_tokens are out
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences whose last token is masked after the rest
 
     @property
     def num_output(self) -> int:
@@ -76,7 +77,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 
 def needs_history(params: SamplingParams) -> bool:
-    return params.has_penalties or params.min_tokens > 0
+    return params.has_penalties or params.min_tokens > 0 or bool(params.bad_words)
 
 
 def plain(params: SamplingParams) -> bool:
@@ -87,13 +88,14 @@ def plain(params: SamplingParams) -> bool:
 
 def apply_controls(logits: torch.Tensor, params: list[SamplingParams], history: list[RowHistory] | None,
                    in_flight: torch.Tensor | None) -> torch.Tensor:
-    """The logits with each row's allowed_token_ids, logit_bias, min_tokens and penalties applied
-    (a new tensor where any applies)."""
+    """The logits with each row's allowed_token_ids, logit_bias, min_tokens, bad_words and penalties
+    applied (a new tensor where any applies)."""
     restricted = [i for i, p in enumerate(params) if p.allowed_token_ids]
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     masked = [i for i, p in enumerate(params) if p.min_tokens and history[i].num_output < p.min_tokens]
     penalised = [i for i, p in enumerate(params) if p.has_penalties]
-    if not (restricted or biased or masked or penalised):
+    banned = [i for i, p in enumerate(params) if p.bad_words]
+    if not (restricted or biased or masked or penalised or banned):
         return logits
     logits, dev = logits.clone(), logits.device
     if restricted:  # every token but the allowed ones at -inf
@@ -116,7 +118,36 @@ def apply_controls(logits: torch.Tensor, params: list[SamplingParams], history: 
                               torch.tensor(float("-inf"), device=dev))
     if penalised:
         _penalise(logits, penalised, params, history, in_flight)
+    if banned:
+        _ban_words(logits, [(i, history[i]) for i in banned], in_flight)
     return logits
+
+
+def _ban_words(logits: torch.Tensor, rows: list[tuple[int, RowHistory]], in_flight: torch.Tensor | None) -> None:
+    """-inf for each bad word's last token where the row's output ends with the rest of the word.
+    A pending token (still on the device) is compared there: the mask then holds where it matches."""
+    always, given = [], []  # (row, token); (row, token, pending index, the token pending must be)
+    for i, h in rows:
+        for word in h.bad_words:
+            before = word[:-1]
+            if h.pending is None or not before:
+                if len(h.output) >= len(before) and tuple(h.output[len(h.output) - len(before):]) == before:
+                    always.append((i, word[-1]))
+            elif len(h.output) >= len(before) - 1 and tuple(h.output[len(h.output) - len(before) + 1:]) == before[:-1]:
+                given.append((i, word[-1], h.pending, before[-1]))
+    dev = logits.device
+    if always:
+        logits.index_put_((to_device([r for r, _ in always], torch.long, dev),
+                           to_device([t for _, t in always], torch.long, dev)), torch.tensor(float("-inf"), device=dev))
+    if given:
+        # Two words may end in the same token after different pending ones: a logit is banned where any matches.
+        keys = list(dict.fromkeys((r, t) for r, t, *_ in given))
+        which = to_device([keys.index((r, t)) for r, t, *_ in given], torch.long, dev)
+        pending = in_flight.index_select(0, to_device([p for *_, p, _ in given], torch.long, dev))
+        matches = (pending == to_device([m for *_, m in given], torch.long, dev)).int()
+        banned = torch.zeros(len(keys), dtype=torch.int, device=dev).scatter_reduce_(0, which, matches, "amax")
+        where = (to_device([r for r, _ in keys], torch.long, dev), to_device([t for _, t in keys], torch.long, dev))
+        logits.index_put_(where, torch.where(banned > 0, float("-inf"), logits[where]))
 
 
 def _penalise(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], history: list[RowHistory],

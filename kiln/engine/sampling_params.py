@@ -16,13 +16,12 @@ SUPPORTED = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"
              "ignore_eos", "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "prompt_logprobs", "structured_outputs",
              "guided_decoding", "output_kind", "allowed_token_ids", "truncate_prompt_tokens", "skip_special_tokens",
-             "detokenize")
+             "detokenize", "bad_words")
 MAX_LOGPROBS = 20  # top log probabilities a token may ask for (OpenAI's limit)
 # vLLM's fields kiln does not implement yet, each with the value that leaves it off.
 MAX_N = 64  # choices a request may ask for
 UNSUPPORTED_DEFAULTS = {
-    "best_of": None, "spaces_between_special_tokens": True, "logits_processors": None, "bad_words": None,
-    "extra_args": None,
+    "best_of": None, "spaces_between_special_tokens": True, "logits_processors": None, "extra_args": None,
 }
 
 
@@ -128,6 +127,11 @@ class SamplingParams:
                 or self.truncate_prompt_tokens == 0):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 (keep the prompt's last that many "
                              f"tokens) or -1 (as many as the context holds), got {self.truncate_prompt_tokens!r}")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of words (non-empty strings), got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
         for name in ("skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

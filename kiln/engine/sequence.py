@@ -51,6 +51,8 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed + index)
         # The tokens that stop it, masked while fewer than min_tokens are out: the engine adds EOS.
         self.stop_ids = frozenset(params.stop_token_ids)
+        # With params.bad_words: their token sequences (the engine tokenizes them), never to be completed.
+        self.bad_words: tuple[tuple[int, ...], ...] = ()
         # With params.logprobs: per output token, {token id: Logprob} (the chosen one and the top ones).
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None

@@ -54,6 +54,7 @@ class _SamplingFields(_Request):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
+    bad_words: list[str] | None = None
     n: int = 1
     # Structured output: OpenAI's response_format ({"type": "json_object"} or {"type": "json_schema",
     # "json_schema": {"schema": ...}}), vLLM's structured_outputs object and its older guided_* fields.

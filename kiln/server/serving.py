@@ -26,7 +26,7 @@ from kiln.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
 
 _SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "stop", "seed", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
-                    "truncate_prompt_tokens", "skip_special_tokens")
+                    "truncate_prompt_tokens", "skip_special_tokens", "bad_words")
 
 
 class OpenAIServing:
@@ -277,7 +277,7 @@ def _sampling_params(req, max_tokens: int, max_tokens_param: str, echo: bool = F
                               repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias,
                               min_tokens=req.min_tokens, logprobs=req.num_logprobs, structured_outputs=structured,
                               allowed_token_ids=req.allowed_token_ids, truncate_prompt_tokens=req.truncate_prompt_tokens,
-                              skip_special_tokens=req.skip_special_tokens,
+                              skip_special_tokens=req.skip_special_tokens, bad_words=req.bad_words,
                               # echo's logprobs start with the prompt's
                               prompt_logprobs=req.num_logprobs if echo else None)
     except ValueError as e:
