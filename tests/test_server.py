@@ -341,6 +341,20 @@ def scored_id(client, ids: list[int]) -> int:
                                      extra_body={"return_token_ids": True}).choices[0].token_ids[0]
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage)."""
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="Once upon a time", n=2, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    usages = [c.usage for c in chunks]
+    assert all(u is not None and u.prompt_tokens == usages[-1].prompt_tokens for u in usages)
+    counts = [u.completion_tokens for u in usages]
+    assert counts == sorted(counts) and counts[-1] == 12 and counts[-2] == 12
+    plain = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, stream=True,
+                                           stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)  # without include_usage, no usage at all (as vLLM)
+
+
 def test_chat_stream_equals_non_stream(client):
     whole = _chat(client, "Name three colors.", max_tokens=24, temperature=0)
     chunks = list(_chat(client, "Name three colors.", max_tokens=24, temperature=0, stream=True,

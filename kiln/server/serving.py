@@ -183,7 +183,7 @@ class OpenAIServing:
         if req.stream:
             stream = _ChatStream if endpoint == "chat" else _CompletionStream
             events = stream(request_id, self.model_name, req.include_usage, n, params[0], prompts,
-                            getattr(req, "return_token_ids", False), echo)
+                            getattr(req, "return_token_ids", False), echo, req.continuous_usage)
             return StreamingResponse(events.run(outputs, timer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         final = await _last_output(outputs, raw, timer)
@@ -389,10 +389,12 @@ class _SSEStream:
     usage, then [DONE]."""
 
     def __init__(self, request_id: str, model: str, include_usage: bool, n: int, params: SamplingParams,
-                 prompts: list[list[int]], return_token_ids: bool = False, echo: list[str] | None = None):
+                 prompts: list[list[int]], return_token_ids: bool = False, echo: list[str] | None = None,
+                 continuous_usage: bool = False):
         """n choices a prompt (choice i is prompt i // n's); params: any prompt's (they differ in
         max_tokens alone)."""
         self.request_id, self.model, self.include_usage = request_id, model, include_usage
+        self.continuous_usage = continuous_usage
         self.num_prompt_tokens, self.n = sum(map(len, prompts)), n * len(prompts)
         self.num_logprobs = params.logprobs  # None: no logprobs in the chunks
         # With return_token_ids every step's tokens go out, text or not (a model without a tokenizer
@@ -413,10 +415,11 @@ class _SSEStream:
             for index in range(self.n):
                 first = self.first_chunk(index)
                 if first is not None:
-                    yield _event(first)
+                    yield self._event(first, 0)
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     timer.output(out)
+                    so_far = sum(len(c.token_ids) for c in out.outputs)
                     for c in out.outputs:
                         i, done = c.index, c.finish_reason is not None
                         end = len(c.text) if done else max(sent[i], len(c.text) - self.holdback)
@@ -424,12 +427,12 @@ class _SSEStream:
                             entries = c.logprobs[sent_tokens[i]:] if c.logprobs is not None else None
                             prompt_ids = self.prompts[i // self.choices_per_prompt] \
                                 if self.return_token_ids and sent_tokens[i] == 0 else None
-                            yield _event(self.text_chunk(i, c.text[sent[i]:end], list(c.token_ids[sent_tokens[i]:]),
-                                                         entries, sent[i], prompt_ids))
+                            yield self._event(self.text_chunk(i, c.text[sent[i]:end], list(c.token_ids[sent_tokens[i]:]),
+                                                              entries, sent[i], prompt_ids), so_far)
                             sent[i], sent_tokens[i] = max(sent[i], end), len(c.token_ids)
                         if done and not closed[i]:
                             closed[i] = True
-                            yield _event(self.finish_chunk(i, c.finish_reason))
+                            yield self._event(self.finish_chunk(i, c.finish_reason), so_far)
                     final = out
             if self.include_usage:
                 completion = sum(len(c.token_ids) for c in final.outputs)
@@ -442,6 +445,12 @@ class _SSEStream:
             # Cancelled (the client went away) or aborted: the engine thread frees the blocks.
             if final is None or not final.finished:
                 timer.aborted()
+
+    def _event(self, chunk, completion_tokens: int) -> str:
+        """The chunk as an event; with continuous usage, the tokens so far ride on it."""
+        if self.continuous_usage:
+            chunk.usage = Usage.of(self.num_prompt_tokens, completion_tokens)
+        return _event(chunk)
 
     def first_chunk(self, index: int):
         raise NotImplementedError
