@@ -12,6 +12,8 @@ openai = pytest.importorskip("openai")
 
 from server_process import ServerProcess  # noqa: E402
 
+from kiln import __version__ as kiln_version  # noqa: E402
+
 MODEL = "smollm2"
 MAX_MODEL_LEN = 1024
 PROMPTS = [
@@ -262,6 +264,10 @@ def test_tokenize_and_detokenize_as_vllm_answers_them(server, client):
         assert status == 400 and error["error"]["param"] == param, (path, body, error)
     status, error = _post(server, "/tokenize", {"model": "gpt-4o", "prompt": "hi"})
     assert status == 404 and error["error"]["code"] == "model_not_found"
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("GET", "/version")
+    assert json.loads(conn.getresponse().read()) == {"version": kiln_version}
+    conn.close()
 
 
 def test_chat_continues_the_final_message_and_passes_template_variables(server, client):

@@ -6,6 +6,7 @@
     /v1/completions       plain prompt (text or token ids), streaming or not
     /v1/chat/completions  messages through the model's chat template, streaming or not
     /tokenize, /detokenize  vLLM's: a prompt's (or messages') token ids, and ids' text
+    /version              kiln's version (vLLM's route)
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+
+import kiln
 
 from kiln.config import EngineConfig
 from kiln.engine.async_engine import AsyncEngine
@@ -64,6 +67,10 @@ def build_app(config: EngineConfig, served_model_name: str | None = None,
             return JSONResponse({"status": "ready", "ready_s": engine.timeline.ready_seconds, **info})
         status = "starting" if engine.engine is None else "shutting_down"
         return JSONResponse({"status": status, **info}, 503, headers={"Retry-After": "1"})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": kiln.__version__})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
