@@ -81,8 +81,9 @@ def needs_history(params: SamplingParams) -> bool:
 
 
 def plain(params: SamplingParams) -> bool:
-    """Whether a row's logits go to the cuts as the model made them (no logit_bias, penalties or
-    min_tokens): what a fixed program, such as a CUDA graph's, can sample."""
+    """Whether a row's logits go to the cuts as the model made them (no allowed_token_ids,
+    logit_bias, bad_words, penalties or min_tokens): what a fixed program, such as a CUDA graph's,
+    can sample."""
     return not params.logit_bias and not params.allowed_token_ids and not needs_history(params)
 
 

@@ -75,10 +75,10 @@ class Tokenizer:
                                         "add_generation_prompt": add_generation_prompt})
         return _cut_after_final_message(text, messages) if continue_final_message else text
 
-    def encode_chat(self, messages: list[dict], **template_options) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_special_tokens: bool = False, **template_options) -> list[int]:
         """apply_chat_template's text (template_options: its keyword arguments) as ids."""
         # The template writes any BOS itself; adding it again would double it.
-        return self.encode(self.apply_chat_template(messages, **template_options), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, **template_options), add_special_tokens)
 
     @classmethod
     def from_folder(cls, folder: Path, eos_token_ids: tuple[int, ...]) -> "Tokenizer":

@@ -224,13 +224,13 @@ def _encode_chat(tokenizer, req: ChatCompletionRequest | TokenizeRequest, add_sp
                        "new one: set add_generation_prompt to false with it", param="continue_final_message",
                        code="invalid_value")
     try:
-        text = tokenizer.apply_chat_template([m.as_template_input() for m in req.messages], req.add_generation_prompt,
-                                             req.continue_final_message, req.chat_template_kwargs)
+        return tokenizer.encode_chat([m.as_template_input() for m in req.messages], add_special_tokens,
+                                     add_generation_prompt=req.add_generation_prompt,
+                                     continue_final_message=req.continue_final_message,
+                                     template_kwargs=req.chat_template_kwargs)
     except Exception as e:  # the template runs on what the request sent (chat_template_kwargs too): any error is its
         raise APIError(400, f"the chat template refused the messages: {type(e).__name__}: {e}",
                        param="messages") from None
-    # The template writes any BOS itself; adding it again would double it.
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
