@@ -1,5 +1,10 @@
 """The engine on the compiled forward (-O2): paged KV cache, continuous batching, same tokens."""
 
+import gc
+import weakref
+
+import pytest
+
 from kiln import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at",
@@ -45,19 +50,25 @@ def test_compiled_bf16_greedy_tokens_equal_eager_bf16():
     assert answers[2] == answers[0]
 
 
-def test_a_compiled_engine_shut_down_frees_its_model():
-    """Dynamo must not keep a shut-down engine's model (and its weights) alive, after a capture
-    (its cache entry on the code) or a warm start (its process-wide backend table): a process
-    that starts engine after engine would run out of memory."""
-    import gc
-    import weakref
-
-    for _ in range(2):  # the second start is warm: the first kept the compile-cache entry
-        engine = LLM("tiny-llama", device="cpu", dtype="float32", num_kv_blocks=80, compilation_config=2)
-        engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, ignore_eos=True))  # captured or loaded
-        model = weakref.ref(engine.engine.runner.model)
-        weight = weakref.ref(engine.engine.runner.model.model.layers[0].mlp.down_proj.weight)
-        engine.shutdown()
-        del engine
-        gc.collect()
-        assert model() is None and weight() is None
+@pytest.mark.parametrize("level", [0, 2])
+def test_shutdown_frees_the_engines_memory_at_once(level):
+    """LLM.shutdown frees the weights and the KV cache then and there, not at some later garbage
+    collection, and Dynamo keeps nothing of a compiled engine's model (after a capture, or a warm
+    start from its cache entry): a process can build engine after engine. A shut-down LLM refuses
+    work, naming what happened."""
+    starts = 2 if level else 1  # the second compiled start is warm: the first kept the cache entry
+    for _ in range(starts):
+        llm = LLM("tiny-llama", device="cpu", dtype="float32", num_kv_blocks=80, compilation_config=level)
+        llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, ignore_eos=True))  # captured or loaded
+        runner = llm.engine.runner
+        held = [weakref.ref(t) for t in (runner.model, runner.model.model.layers[0].mlp.down_proj.weight,
+                                         next(iter(runner.kv_caches.values())))]
+        del runner
+        gc.disable()  # freed by shutdown itself, with the LLM still referenced
+        try:
+            llm.shutdown()
+            assert [ref() for ref in held] == [None, None, None]
+        finally:
+            gc.enable()
+        with pytest.raises(RuntimeError, match="engine was shut down"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))

@@ -80,7 +80,9 @@ class LLM:
         return [done[i] for i in ids]
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes, if any (they also stop at exit)."""
+        """Free the engine's device memory (weights, KV cache, CUDA graphs) now and stop its
+        tensor-parallel worker processes, if any (they also stop at exit): another LLM can then be
+        built in this process. This LLM generates no more."""
         self.engine.shutdown()
 
     def chat(self, conversations: list[dict] | list[list[dict]],

@@ -44,8 +44,10 @@ class LLMEngine:
             self.runner = TensorParallelRunner(config, self.source, self.timeline)
         else:
             self.runner = ModelRunner(config, self.source, self.timeline)
+        self.is_shut_down = False
         capacity = self.runner.num_blocks * config.block_size
         if capacity < self.max_model_len:
+            self.runner.shutdown()  # its memory back at once: the caller may well try again
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({self.runner.num_blocks} blocks of "
                 f"{config.block_size}), fewer than max_model_len={self.max_model_len}: one long "
@@ -77,6 +79,7 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
+        self._check_running()
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -144,9 +147,17 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes, if any (they also stop at exit)."""
-        if isinstance(self.runner, TensorParallelRunner):
-            self.runner.shutdown()
+        """Stop the tensor-parallel worker processes, if any (they also stop at exit), and free the
+        device memory the engine holds (weights, KV cache, CUDA graphs) at once, so that the process
+        can build another engine. Requests not finished are dropped; the engine takes no more."""
+        self.runner.shutdown()
+        self._in_flight = None
+        self.is_shut_down = True
+
+    def _check_running(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError("this engine was shut down (its weights and KV cache are freed); build a new "
+                               "one, e.g. LLM(...), to generate again")
 
     def has_unfinished(self) -> bool:
         # A step in flight whose sequences all finished (or were aborted) has nothing left to give.
@@ -157,6 +168,7 @@ class LLMEngine:
         """Schedule and run the next batch; returns the outputs of every sequence that got a
         token. With async scheduling those are the previous step's: this step is queued on the
         device first, and runs while they are read back, checked for stops and detokenized."""
+        self._check_running()
         # A grammar's mask for the next step needs the last step's token: read it first.
         early = self.drain() if self._in_flight is not None and self._structured_in_flight() else []
         batch = self.scheduler.schedule()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
+import gc
 import importlib
 import logging
 import os
@@ -86,6 +88,14 @@ def forward_of(model: torch.nn.Module, config: EngineConfig, cache: CompileCache
     if config.compilation is None:
         logger.info("model forward: %s", DEFAULT_FORWARD_REASON)
     return compiled
+
+
+def decode_head(model: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's logits and greedy tokens, one row per sequence (padding rows too): run
+    inside its CUDA graph, so that a greedy batch launches nothing after the replay. (A function of
+    the model, not a runner method: the graphs holding it must not hold the runner in a cycle.)"""
+    logits = model.compute_logits(hidden)
+    return logits, greedy_tokens(logits)
 
 
 def compile_static_decode(model: torch.nn.Module, config: EngineConfig, cache: CompileCache | None,
@@ -203,7 +213,7 @@ class ModelRunner:
             StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                         -(-self.max_model_len // self.block_size), self.device),
             self.max_model_len, config.max_num_seqs, debug=config.compilation_config.cudagraph_debug,
-            head=self._decode_head)
+            head=functools.partial(decode_head, self.model))
         self.sampling_graphs = None
         graphed = self.device.type == "cuda" and dispatcher.decode.mode == "full"
         if config.sample_in_graph and not graphed:
@@ -273,11 +283,17 @@ class ModelRunner:
                                               dtype=self.dtype, device=self.device)
                 for layer in self.attn_layers}
 
-    def _decode_head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step's logits and greedy tokens, one row per sequence (padding rows too):
-        run inside its CUDA graph, so that a greedy batch launches nothing after the replay."""
-        logits = self.model.compute_logits(hidden)
-        return logits, greedy_tokens(logits)
+    def shutdown(self) -> None:
+        """Free what this runner holds on its device (weights, KV cache, CUDA graphs and their pool)
+        now rather than at some later garbage collection, and hand the cached blocks back to the
+        driver: a process can then build another engine in their place. The runner is unusable after."""
+        self.model = self.compiled = self.static_decode = self.cudagraphs = self.sampling_graphs = None
+        self.kv_caches, self.attn_layers, self._in_flight = {}, [], None
+        # A compiled forward's parts refer to each other (the capture's backend and tracer callbacks),
+        # so the last reference going leaves a cycle for the collector: collect it now.
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _warm_gemv(self, forward: Callable | None = None) -> None:
         """Launch the GEMV once per weight shape and row bucket: its kernels compile (or load

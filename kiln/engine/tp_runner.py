@@ -147,8 +147,11 @@ class TensorParallelRunner(ModelRunner):
             raise self.lost from error
 
     def shutdown(self) -> None:
-        """Stop the workers and leave the process group (an engine can be made again after)."""
+        """Stop the workers and leave the process group (an engine can be made again after), then
+        free rank 0's own device memory where its runner was built."""
         self.workers.shutdown()
+        if hasattr(self, "device"):  # not when rank 0's build failed part-way
+            super().shutdown()
 
 
 def _serve_steps(state: TensorParallelState, conn, config: EngineConfig) -> None:
