@@ -304,3 +304,19 @@ def test_the_memory_profiles_cuts_are_the_largest_program():
     _, min_p, top_p, top_k, _ = sampler.settings_of(params).unsqueeze(-1)
     assert torch.equal(sampler.largest_cuts(x), sampler.cut_threshold(x, cuts, None, min_p, top_k, top_p))
     assert sampler.largest_cuts(x).isfinite().all()
+
+
+def test_allowed_token_ids_keep_only_their_logits():
+    """A row with allowed_token_ids keeps those logits as they were and every other token at -inf;
+    a row without is untouched, and so is the input."""
+    from kiln.engine.sampler import apply_controls
+
+    logits = torch.randn(3, 50)
+    before = logits.clone()
+    params = [SamplingParams(allowed_token_ids=[49, 3, 7]), SamplingParams(), SamplingParams(allowed_token_ids=[0])]
+    out = apply_controls(logits, params, None, None)
+    want = torch.full_like(logits, float("-inf"))
+    want[0, [3, 7, 49]] = logits[0, [3, 7, 49]]
+    want[1] = logits[1]
+    want[2, 0] = logits[2, 0]
+    assert torch.equal(out, want) and torch.equal(logits, before)

@@ -100,11 +100,12 @@ def apply_controls(logits: torch.Tensor, params: list[SamplingParams], history: 
         return logits
     logits, dev = logits.clone(), logits.device
     if restricted:  # every token but the allowed ones at -inf
-        index = to_device(restricted, torch.long, dev)
-        keep = torch.zeros(len(restricted), logits.shape[1], dtype=torch.bool)
-        for j, i in enumerate(restricted):
-            keep[j, params[i].allowed_token_ids] = True
-        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~host_to(keep, dev), float("-inf")))
+        # Up by (row, token) pairs, not as a [rows, vocab] mask: a few ids a row is the usual case.
+        rows = to_device([i for i in restricted for _ in params[i].allowed_token_ids], torch.long, dev)
+        ids = to_device([t for i in restricted for t in params[i].allowed_token_ids], torch.long, dev)
+        allowed_logits = logits[rows, ids]
+        logits.index_fill_(0, to_device(restricted, torch.long, dev), float("-inf"))
+        logits.index_put_((rows, ids), allowed_logits)
     if biased:
         rows = [i for i in biased for _ in params[i].logit_bias]
         ids = [t for i in biased for t in params[i].logit_bias]
