@@ -200,7 +200,10 @@ class ModelRunner:
         # On a fresh machine kiln's own Triton kernels are compiled in parallel processes (see
         # kiln.compile.triton_precompile) before the real warm-up runs and captures, which then
         # only load them.
-        recorder = MissingKernels(target.result()) if target is not None and not _tuning() else None
+        recorder = None
+        if target is not None and not _tuning():
+            with timeline.phase("triton_driver"):  # what its start beside the weights left to wait for
+                recorder = MissingKernels(target.result())
         dispatcher = CudagraphDispatcher.from_config(config.compilation_config, config.max_num_seqs,
                                                      config.max_num_batched_tokens,
                                                      enabled=self.device.type == "cuda")

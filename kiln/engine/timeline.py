@@ -44,6 +44,10 @@ class StartupTimeline:
         with self._lock:
             self.current, self.ready = "ready", True
             self.ready_seconds = self.total_seconds
+            # The set-up between the named phases, so that the phases add up to the start.
+            rest = self.ready_seconds - sum(self.phases.values())
+            if rest > 0:
+                self.phases["other"] = rest
         logger.info("ready after %.2f s: %s", self.ready_seconds,
                     ", ".join(f"{k} {v:.2f} s" for k, v in self.phases.items()))
 
