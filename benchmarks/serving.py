@@ -10,7 +10,8 @@ must produce exactly --output-len tokens (ignore_eos), with vLLM's return_token_
 step's tokens arrive in a chunk whether or not the model has a tokenizer. Per request, on
 the client's clock: TTFT (send -> first token), TPOT ((last token - first token) / (tokens -
 1)) and the gaps between chunks (ITL). Per rate: their p50 and p99, output tokens/s and
-requests/s over the rate's wall time, and lost requests (an error, a short answer).
+requests/s over the rate's wall time, lost requests (an error, a short answer), and the five
+slowest first tokens (which request, sent when after the rate's start).
 
 Floors, measured in this process before the server starts (kiln bench's copy and matmul
 rates): TTFT >= one prompt's prefill alone (its matmul FLOPs at the matmul rate, or the
@@ -140,13 +141,16 @@ def percentiles(values: list[float]) -> dict:
 
 async def run_rate(port: int, model: str, rate: float, prompts: list[list[int]], args) -> dict:
     gaps = random.Random(args.seed).expovariate
-    tasks, start = [], time.perf_counter()
+    tasks, sent, start = [], [], time.perf_counter()
     for prompt in prompts:
         body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 1.0, "stream": True,
                 "ignore_eos": True, "return_token_ids": True}
+        sent.append(time.perf_counter() - start)
         tasks.append(asyncio.create_task(stream_request(port, body, args.output_len)))
         await asyncio.sleep(gaps(rate))
     results = await asyncio.gather(*tasks)
+    # Which requests a p99 comes from: the first ones after start-up, or a burst of arrivals.
+    slowest = sorted((i for i, r in enumerate(results) if r.ok), key=lambda i: -results[i].ttft_s)[:5]
     wall = max(r.end for r in results) - start
     good = [r for r in results if r.ok]
     output_tokens = sum(r.tokens for r in good)
@@ -155,6 +159,7 @@ async def run_rate(port: int, model: str, rate: float, prompts: list[list[int]],
             "requests_per_s": len(good) / wall, "output_tokens_per_s": output_tokens / wall,
             "offered_output_tokens_per_s": rate * args.output_len,
             "ttft_s": percentiles([r.ttft_s for r in good]),
+            "slowest_ttft": [{"request": i, "sent_s": sent[i], "ttft_s": results[i].ttft_s} for i in slowest],
             "tpot_s": percentiles([r.tpot_s for r in good if r.tpot_s is not None]),
             "itl_s": percentiles([g for r in good for g in r.itl_s])}
 
@@ -202,7 +207,9 @@ def main() -> int:
                   f"tok/s (arriving {r['offered_output_tokens_per_s']:.0f}), TTFT p50 {ms(r['ttft_s'], 'p50')} p99 "
                   f"{ms(r['ttft_s'], 'p99')} ms (floor {bound['ttft_s'] * 1e3:.1f}), TPOT p50 {ms(r['tpot_s'], 'p50')} "
                   f"p99 {ms(r['tpot_s'], 'p99')} ms (floor {bound['tpot_s'] * 1e3:.2f}), ITL p99 "
-                  f"{ms(r['itl_s'], 'p99')} ms" + (f"; errors: {r['errors']}" if r["errors"] else ""), flush=True)
+                  f"{ms(r['itl_s'], 'p99')} ms" + (f"; errors: {r['errors']}" if r["errors"] else "")
+                  + "".join(f"\n    slow first token: request {x['request']} sent at {x['sent_s']:.2f} s, "
+                            f"{x['ttft_s'] * 1e3:.1f} ms" for x in r["slowest_ttft"][:2]), flush=True)
             path.write_text(json.dumps(report, indent=1))  # after every rate: a cut run keeps what it measured
     finally:
         server.stop()

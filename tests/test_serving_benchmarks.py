@@ -58,4 +58,6 @@ def test_serving_streams_token_ids_from_a_model_without_a_tokenizer(tmp_path):
     (rate,) = report["rates"]
     assert (rate["completed"], rate["lost"]) == (4, 0)
     assert rate["ttft_s"]["p50"] > 0 and rate["tpot_s"]["p50"] > 0
+    slowest = rate["slowest_ttft"]
+    assert len(slowest) == 4 and slowest[0]["ttft_s"] == max(s["ttft_s"] for s in slowest) >= rate["ttft_s"]["p50"]
     assert report["floor"]["ttft_s"] > 0 and report["floor"]["tpot_s"] > 0
