@@ -10,8 +10,10 @@ must produce exactly --output-len tokens (ignore_eos), with vLLM's return_token_
 step's tokens arrive in a chunk whether or not the model has a tokenizer. Per request, on
 the client's clock: TTFT (send -> first token), TPOT ((last token - first token) / (tokens -
 1)) and the gaps between chunks (ITL). Per rate: their p50 and p99, output tokens/s and
-requests/s over the rate's wall time, lost requests (an error, a short answer), and the five
-slowest first tokens (which request, sent when after the rate's start).
+requests/s over the rate's wall time, lost requests (an error, a short answer), the five
+slowest first tokens (which request, sent when after the rate's start) and the kernels Triton
+compiled or loaded from its cache while the rate ran (server's /metrics; 0 when start-up
+loaded every kernel a request needs).
 
 Floors, measured in this process before the server starts (kiln bench's copy and matmul
 rates): TTFT >= one prompt's prefill alone (its matmul FLOPs at the matmul rate, or the
@@ -178,6 +180,12 @@ def floors(args) -> dict:
             "weight_bytes": floor.weight_bytes, "ttft_s": prefill_s, "tpot_s": step["step_ms"] / 1e3}
 
 
+def triton_kernels(server: ServerProcess) -> dict[str, float]:
+    """The server's counts of kernels Triton compiled and loaded from its cache, from /metrics."""
+    metrics = server.metrics()
+    return {kind: metrics[f"kiln_triton_kernels_{kind}_total"] for kind in ("compiled", "cached")}
+
+
 def main() -> int:
     args = parse_args()
     bound = floors(args)
@@ -200,7 +208,10 @@ def main() -> int:
         model = server.get("/v1/models")[1]["data"][0]["id"]
         for rate in args.rates:
             prompts = torch.randint(0, bound["vocab_size"], (args.num_prompts, args.input_len), generator=g).tolist()
+            kernels_before = triton_kernels(server)
             r = asyncio.run(run_rate(server.port, model, rate, prompts, args))
+            # Kernels Triton compiled or loaded while serving: a first-call cost start-up left to a request.
+            r["triton_kernels_while_serving"] = {k: v - kernels_before[k] for k, v in triton_kernels(server).items()}
             report["rates"].append(r)
             ms = lambda d, k: f"{d[k] * 1e3:7.1f}" if d[k] is not None else "      -"  # noqa: E731
             print(f"rate {rate:6.2f}/s: {r['completed']}/{r['requests']} done, {r['output_tokens_per_s']:8.1f} output "

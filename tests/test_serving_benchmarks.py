@@ -60,4 +60,5 @@ def test_serving_streams_token_ids_from_a_model_without_a_tokenizer(tmp_path):
     assert rate["ttft_s"]["p50"] > 0 and rate["tpot_s"]["p50"] > 0
     slowest = rate["slowest_ttft"]
     assert len(slowest) == 4 and slowest[0]["ttft_s"] == max(s["ttft_s"] for s in slowest) >= rate["ttft_s"]["p50"]
+    assert rate["triton_kernels_while_serving"] == {"compiled": 0, "cached": 0}  # no Triton on the CPU
     assert report["floor"]["ttft_s"] > 0 and report["floor"]["tpot_s"] > 0
