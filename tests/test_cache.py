@@ -23,7 +23,7 @@ from cache_process import MAX_TOKENS, max_error, run_python as _run, start, tiny
 from kiln.compile import compile_model
 from kiln.compile.cache import CacheRoot, CompileCache, cache_disabled
 from kiln.compile.cache.key import env_factor
-from kiln.compile.cache.preload import Preload, preload_if_warm
+from kiln.compile.cache.preload import Preload, isa_probes_ahead_due, preload_if_warm
 from kiln.compile.cache.root import NOT_ENTRIES
 from kiln.compile.config import CompilationConfig
 from kiln.tools import cache_cli
@@ -98,6 +98,38 @@ def test_a_warm_start_with_the_preload_loads_every_piece_and_compiles_nothing(fi
     # Inductor's ISA probes ran in the preload, inside this entry, so the warm start ran none.
     assert preload["parts"]["isa_probe"] > 0 and "pieces.isa_probe" not in stats["warm_phases_s"]
     assert out["max_error"] <= 1e-4
+
+
+def test_a_cold_cpu_capture_takes_the_isa_probes_run_ahead(filled, tmp_path, monkeypatch):
+    """A cold capture's entry is known only after Dynamo traced: probe_isa_ahead runs Inductor's
+    ISA probes before that, on a thread in a scratch dir, and the entry's first compile takes their
+    files instead of probing again on the engine's thread (a warm start of the entry finds them)."""
+    import threading
+
+    from kiln.compile.cache import entry as entry_module
+
+    root = tmp_path / "root"
+    engine_thread, on_engine_thread = threading.get_ident(), []
+    plain_probe = entry_module.probe_isa_here
+
+    def probe():
+        if threading.get_ident() == engine_thread:
+            on_engine_thread.append(1)
+        plain_probe()
+
+    monkeypatch.setattr(entry_module, "probe_isa_here", probe)
+    _, cache = tiny(root)
+    o2, cpu = CompilationConfig.level(2), torch.device("cpu")
+    assert isa_probes_ahead_due(o2, cache, cpu) and not isa_probes_ahead_due(CompilationConfig.level(0), cache, cpu)
+    entry_module.probe_isa_ahead()
+    scratch = entry_module._ahead[1]
+    _, compiled, _ = start(root)
+    assert on_engine_thread == [] and entry_module._ahead is None and not scratch.exists()
+    assert not isa_probes_ahead_due(o2, cache, cpu)  # the next start is warm: its preload probes
+    entry_module.probe_isa_in(tmp_path / "plain")  # what the probes leave in a dir of their own
+    probes = {p.relative_to(tmp_path / "plain").as_posix() for p in (tmp_path / "plain").rglob("*.so")}
+    taken = {p.relative_to(compiled.entry.path).as_posix() for p in compiled.entry.path.rglob("*.so")}
+    assert probes and probes <= taken and compiled.stats["inductor_compiles"] == 3
 
 
 def test_the_preload_starts_only_where_a_warm_start_is_likely(filled, tmp_path, monkeypatch):

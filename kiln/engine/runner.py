@@ -18,7 +18,8 @@ import torch
 from kiln.compile import CompiledModel, compile_model
 from kiln.compile.cache import CompileCache
 from kiln.compile.cache import triton_kernels
-from kiln.compile.cache.preload import preload_if_warm
+from kiln.compile.cache.entry import probe_isa_ahead
+from kiln.compile.cache.preload import isa_probes_ahead_due, preload_if_warm
 from kiln.compile.compile_workers import compiles_in_workers, start_ahead, start_before_cold_start, worker_count
 from kiln.compile.layer_stamping import layer_kinds
 from kiln.compile.opt_in import is_repeated_layer
@@ -187,6 +188,9 @@ class ModelRunner:
         # and so does Triton's driver start (on a fresh machine it builds its C utilities first: ~0.7 s).
         preload_if_warm(config.compilation_config, cache, self.device)
         start_before_cold_start(config.compilation_config, cache, self.device.type)
+        if isa_probes_ahead_due(config.compilation_config, cache, self.device):
+            with timeline.phase("imports"):  # the modules the probes' thread uses, imported on this one
+                probe_isa_ahead()
         target = _in_background(triton_target) if self.device.type == "cuda" else None
         with timeline.phase("weights"):
             self.model = build_model(source.config, self.dtype, self.device, self.custom_ops,

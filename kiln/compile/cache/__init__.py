@@ -6,7 +6,8 @@ lock, checked against their manifest before anything in them is loaded.
     key          the key's four factors (env, config, code, compiler)
     entry        one entry: manifest, verify, repair, the program and piece artifacts
     model_cache  which entry a model uses: CompileCache (the caller's view), ModelCache
-    preload      once-per-process work a warm start waits on, started early on a thread
+    preload      once-per-process work a warm start (or a cold CPU capture's ISA probes) waits on,
+                 started early on a thread
 """
 
 from kiln.compile.cache.entry import CacheEntry

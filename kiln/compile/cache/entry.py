@@ -16,14 +16,18 @@ A file that fails its checksum is logged with its path and rebuilt, never loaded
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import hashlib
+import importlib
 import importlib.metadata
 import json
 import os
 import pickle
 import shutil
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -283,9 +287,14 @@ class CacheEntry:
     @contextlib.contextmanager
     def compiler_dirs(self):
         """Inductor compiles into this entry's own cache dir (so the built .so files are here)."""
+        probe = self.path not in _PROBED and str(self.manifest.get("device", "cpu")).startswith("cpu")
+        if probe:
+            _PROBED.add(self.path)
+            # Before Inductor's dir is set: the probes' thread sets (and at its end restores) it too.
+            with self._timed("pieces.isa_probe"):
+                probe = not _adopt_probes_ahead(self.path / INDUCTOR)
         with _inductor_dir(self.path):
-            if self.path not in _PROBED and str(self.manifest.get("device", "cpu")).startswith("cpu"):
-                _PROBED.add(self.path)
+            if probe:
                 with self._timed("pieces.isa_probe"):
                     probe_isa_here()
             yield
@@ -364,6 +373,51 @@ def probe_isa_in(path: Path) -> None:
     with _inductor_dir(path):
         probe_isa_here()
     _PROBED.add(path)
+
+
+_ahead: tuple[threading.Thread, Path] | None = None  # probe_isa_ahead's thread and its scratch dir
+
+
+def probe_isa_ahead() -> None:
+    """A cold capture's entry is known only after Dynamo has traced, but most of its probes' time
+    (~2 s on a 2-core CPU) is a subprocess per ISA extension: run them now on a thread, in a scratch
+    dir, while the weights load and Dynamo traces; the entry's compiler_dirs then waits for them and
+    takes their files. The Inductor modules the probes use are imported here, on the caller's thread
+    (two threads importing the same circular modules can deadlock)."""
+    global _ahead
+    for module in ("torch._inductor.codecache", "torch._inductor.cpp_builder", "torch._inductor.cpu_vec_isa"):
+        importlib.import_module(module)
+    scratch = Path(tempfile.mkdtemp(prefix="kiln-isa-probes-"))
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)  # if no entry ever takes them
+    thread = threading.Thread(target=probe_isa_in, args=(scratch,), name="kiln-isa-probes", daemon=True)
+    thread.start()
+    _ahead = (thread, scratch)
+
+
+def _adopt_probes_ahead(inductor: Path) -> bool:
+    """Wait for probe_isa_ahead's probes and copy their files into `inductor` (an entry's Inductor
+    dir); False if none were started."""
+    global _ahead
+    if _ahead is None:
+        return False
+    (thread, scratch), _ahead = _ahead, None
+    thread.join()
+    try:
+        if not (scratch / INDUCTOR).is_dir():
+            return False  # they did not run (another torch): the entry probes for itself
+        shutil.copytree(scratch / INDUCTOR, inductor, dirs_exist_ok=True, copy_function=_copy_if_absent)
+        return True
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _copy_if_absent(source: str, target: str) -> None:
+    """Never over a file the entry has (its manifest may hold that file's checksum: another process
+    filling the entry probed first), and whole or not at all."""
+    if not os.path.exists(target):
+        partial = f"{target}.{os.getpid()}.tmp"
+        shutil.copy2(source, partial)
+        os.replace(partial, target)
 
 
 def probe_isa_here() -> None:

@@ -14,6 +14,9 @@ compile phase never looks shorter than what the start-up waited for). Only where
 is likely: mode 3 with the compile cache on, and an entry of this model on this device type in
 the cache. Nothing here changes a result: every call is a cached function torch would call on
 first use anyway, and a failure only means the warm start does the work itself.
+
+Where a cold CPU capture is certain instead, only its ISA probes start early (isa_probes_ahead_due,
+kiln.compile.cache.entry.probe_isa_ahead): the rest it needs at once.
 """
 
 from __future__ import annotations
@@ -129,6 +132,14 @@ def _triton_keys(index: int) -> None:
     if hasattr(codecache, "triton_key"):  # torch >= 2.12 wraps Triton's in its own cache
         codecache.triton_key()
     triton_hash_with_backend()  # Triton's key (cached by Triton) and its backend's hash
+
+
+def isa_probes_ahead_due(config: CompilationConfig, cache: CompileCache | None, device: torch.device) -> bool:
+    """Whether a cold CPU capture will follow, whose ISA probes are worth starting early
+    (kiln.compile.cache.entry.probe_isa_ahead): mode 3 with Inductor pieces and the cache on, and
+    no entry of this model on the CPU yet (a warm start's preload probes inside its entry)."""
+    return (device.type == "cpu" and cache is not None and config.mode == 3 and not config.debug_guards
+            and config.piece_compiler == "inductor" and not cache.root.entries_for(cache.name, "cpu"))
 
 
 def start_preload(device: torch.device, probe_entry: Path | None = None) -> Preload | None:
