@@ -139,7 +139,7 @@ def isa_probes_ahead_due(config: CompilationConfig, cache: CompileCache | None, 
     (kiln.compile.cache.entry.probe_isa_ahead): mode 3 with Inductor pieces and the cache on, and
     no entry of this model on the CPU yet (a warm start's preload probes inside its entry)."""
     return (device.type == "cpu" and cache is not None and config.mode == 3 and not config.debug_guards
-            and config.piece_compiler == "inductor" and not cache.root.entries_for(cache.name, "cpu"))
+            and config.piece_compiler == "inductor" and not cache.root.has_entry_for(cache.name, "cpu"))
 
 
 def start_preload(device: torch.device, probe_entry: Path | None = None) -> Preload | None:
