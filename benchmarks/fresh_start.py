@@ -16,6 +16,8 @@ and the first call of benchmarks/reference_decode.py (a static-cache decode loop
 torch.compile(mode="reduce-overhead", fullgraph=True)) at batch 1, in the same run.
 Bytecode is cached under a prefix, as on a pip install, primed by one untimed import.
 
+--profile: each start under cProfile, its stats and top functions written to --out.
+
 For each start: engine_ready_s (the engine's own timeline, weights included), process_ready_s
 (process spawned to engine ready: imports too), compile_phase_s (dynamo + split + inductor +
 cache_load), capture_s (CUDA graphs; of it, capture_warm_up_runs taking capture_warm_up_s: the
@@ -63,8 +65,17 @@ def child(args: argparse.Namespace) -> None:
 
     flags = MODES[args.mode]
     compilation = parse_compilation_args(flags)[1] if flags else None
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, compilation=compilation))
-    ready = time.time()
+    config = EngineConfig(model=args.model, device=args.device, compilation=compilation)
+    if args.profile_to:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        engine = profiler.runcall(LLMEngine, config)
+        ready = time.time()
+        profiler.dump_stats(args.profile_to)
+    else:
+        engine = LLMEngine(config)
+        ready = time.time()
     phases = engine.timeline.as_dict()["phases_s"]
     stats = engine.runner.compiled.stats
     print(json.dumps({
@@ -101,13 +112,30 @@ class Sandbox:
             raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({done.returncode})")
         return done
 
-    def start(self, args, mode: str) -> dict:
+    def start(self, args, mode: str, case: str) -> dict:
+        profile = Path(args.out) / f"profile_{args.device}_{mode}_{case}.pstats" if args.profile else None
         spawned = time.time()
         done = self.run([sys.executable, __file__, "--child", "--mode", mode, "--model", args.model,
-                         "--device", args.device], args.timeout)
+                         "--device", args.device, *(["--profile-to", str(profile)] if profile else [])], args.timeout)
         out = json.loads(done.stdout.strip().splitlines()[-1])
         out["process_ready_s"] = out.pop("ready_wall") - spawned
+        if profile:
+            print_profile(profile, f"{mode} {case}")
         return out
+
+
+def print_profile(path: Path, title: str) -> None:
+    """Where a profiled start spent its time: kiln's functions by cumulative time, then every
+    function by its own time."""
+    import io
+    import pstats
+
+    text = io.StringIO()
+    stats = pstats.Stats(str(path), stream=text)
+    stats.sort_stats("cumulative").print_stats("kiln/", 40)
+    stats.sort_stats("tottime").print_stats(25)
+    print(f"--- profile of the {title} start (cProfile: slower than unprofiled; read in proportion)\n"
+          + text.getvalue(), flush=True)
 
 
 def kiln(*argv: str) -> list[str]:
@@ -115,7 +143,7 @@ def kiln(*argv: str) -> list[str]:
 
 
 def measure_mode(args, mode: str, base: Path, pycache: Path) -> dict:
-    cases = {"cold": Sandbox(base, f"{mode}-cold", pycache).start(args, mode)}
+    cases = {"cold": Sandbox(base, f"{mode}-cold", pycache).start(args, mode, "cold")}
     archive = base / f"{mode}.tar"
     made = Sandbox(base, f"{mode}-prewarm", pycache)
     start = time.perf_counter()
@@ -126,8 +154,8 @@ def measure_mode(args, mode: str, base: Path, pycache: Path) -> dict:
     start = time.perf_counter()
     fresh.run(kiln("cache", "import", str(archive)), args.timeout)
     import_s = time.perf_counter() - start
-    cases["imported"] = {**fresh.start(args, mode), "import_s": import_s}
-    cases["warm"] = fresh.start(args, mode)
+    cases["imported"] = {**fresh.start(args, mode, "imported"), "import_s": import_s}
+    cases["warm"] = fresh.start(args, mode, "warm")
     cases["prewarm_export"] = {"seconds": prewarm_s, "archive_bytes": archive.stat().st_size}
     return cases
 
@@ -162,6 +190,11 @@ def main() -> None:
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", default=".")
+    p.add_argument("--profile-to", help=argparse.SUPPRESS)  # the child's: where its stats go
+    p.add_argument("--profile", action="store_true",
+                   help="run each start under cProfile: --out/profile_<device>_<mode>_<case>.pstats, and its top "
+                        "functions printed "
+                        "(the times grow; compare the profiled starts with each other only)")
     args = p.parse_args()
     if args.device == "cpu" and "default" in args.modes and not args.child:
         p.error("the default mode keeps nothing in the cache on the CPU (no kernels, no graphs), so it has no "
@@ -169,6 +202,8 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    args.out = str(Path(args.out).resolve())
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix="kiln-fresh-"))
     pycache = base / "pycache"
     try:
@@ -205,7 +240,6 @@ def main() -> None:
     report["torch"] = torch.__version__
     report["gpu"] = torch.cuda.get_device_name() if args.device == "cuda" else None
     path = Path(args.out) / f"fresh_start_{args.device}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
 
