@@ -22,7 +22,7 @@ run() {
 # Parts, in the order they run; name some to run only those (a device call lasts at most
 # 10 minutes, and all of them together take longer: split them over two calls, e.g.
 # `bash benchmarks/gpu_suite.sh kernels graphs tiles` then `... engine cache bench`).
-# gemm, attention, attention-sweep, partition, prefix, prefix-steps, families, cache-nopyc, fresh, decode, reference, throughput, serving and tp (not in the default list):
+# gemm, attention, attention-sweep, partition, prefix, prefix-steps, families, cache-nopyc, fresh, ladder, decode, reference, throughput, serving and tp (not in the default list):
 # Inductor's partitions under CUDA graphs, prefix caching's TTFT, the model families, the cache part without cached bytecode, a fresh
 # machine's start, kiln's decode beside the stock loop, that loop alone, offline throughput, online serving, and
 # the tensor-parallel comparison (2 GPUs).
@@ -60,6 +60,9 @@ for part in $parts; do
         # A fresh machine: cold, imported archive and warm starts, default and -O2, beside stock
         # torch.compile's first call (about 5 minutes).
         fresh) run python benchmarks/fresh_start.py --out "$OUT" ;;
+        # The mixed-batch phase's coarse ladder beside the fine one under -O2: warm-start capture
+        # time, and one n-token prompt's generate() at each n to 128 (about 3 minutes).
+        ladder) run python benchmarks/prefill_ladder.py --out "$OUT" ;;
         # kiln's engine step (async scheduling on and off) and forward beside the stock loop, same run.
         decode) run python benchmarks/decode_vs_reference.py --modes default O2 --out "$OUT" ;;
         # The stock torch.compile decode loop's step time (same shape), alone.

@@ -14,7 +14,7 @@ import torch
 from kiln import LLM, SamplingParams
 from kiln.compile.config import CompilationConfig, compilation_config_from_dict, parse_compilation_args
 from kiln.cudagraph.dispatcher import CudagraphDispatcher
-from kiln.cudagraph.ladder import BucketTable, capture_ladder
+from kiln.cudagraph.ladder import BucketTable, capture_ladder, mixed_batch_ladder
 from kiln.cudagraph.pool import weak_view
 from kiln.cudagraph.step_buffers import PackedStep, StepBuffers
 
@@ -27,6 +27,21 @@ def test_default_ladder():
     assert len(ladder) == 3 + 32 + 16
     assert capture_ladder(100)[-2:] == [96, 100]  # the max itself is always a bucket
     assert capture_ladder(1) == [1]
+
+
+def test_mixed_batch_ladder_is_coarse_below_128_only():
+    assert mixed_batch_ladder(128) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]
+    ladder = mixed_batch_ladder(512)
+    fine = capture_ladder(512)
+    assert ladder[ladder.index(128):] == fine[fine.index(128):]
+    assert mixed_batch_ladder(100)[-2:] == [96, 100] and mixed_batch_ladder(1) == [1]
+    # The mixed-batch phase takes it by default; the decode phase keeps the fine ladder; given
+    # sizes are both phases'.
+    d = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=64)
+    assert d.prefill.buckets.sizes == mixed_batch_ladder(128) and d.decode.buckets.sizes == capture_ladder(64)
+    assert d.choose(33, False).bucket == 48 and d.choose(33, True).bucket == 40
+    given = dispatcher("FULL_AND_PIECEWISE", cudagraph_capture_sizes=[1, 8, 24])
+    assert given.prefill.buckets.sizes == given.decode.buckets.sizes == [1, 8, 24]
 
 
 def test_bucket_table_pads_to_the_next_bucket():
@@ -59,7 +74,7 @@ def test_decode_above_its_largest_bucket_falls_back_to_prefill_graphs_then_none(
     d = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=64)  # decode buckets to 64, prefill to 128
     assert d.decode.buckets.max_size == 64 and d.prefill.buckets.max_size == 128
     assert (d.choose(64, True).phase, d.choose(64, True).mode) == ("decode", "full")
-    assert (d.choose(65, True).phase, d.choose(65, True).mode, d.choose(65, True).bucket) == ("prefill", "piecewise", 72)
+    assert (d.choose(65, True).phase, d.choose(65, True).mode, d.choose(65, True).bucket) == ("prefill", "piecewise", 80)
     assert (d.choose(129, True).mode, d.choose(129, True).bucket) == ("none", None)
     assert d.choose(129, False).compiler == "inductor"
 

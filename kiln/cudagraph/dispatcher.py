@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.compile.config import CompilationConfig, PhaseGraphs
-from kiln.cudagraph.ladder import DEFAULT_MAX_CAPTURE_SIZE, BucketTable, capture_ladder
+from kiln.cudagraph.ladder import DEFAULT_MAX_CAPTURE_SIZE, BucketTable, capture_ladder, mixed_batch_ladder
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,11 @@ class CudagraphDispatcher:
                     enabled: bool) -> "CudagraphDispatcher":
         """enabled=False (the CPU): every step runs without a graph, through the same choice."""
         top = config.max_cudagraph_capture_size or min(2 * max_num_seqs, DEFAULT_MAX_CAPTURE_SIZE)
-        sizes = [n for n in (config.cudagraph_capture_sizes or capture_ladder(top)) if n <= top]
-        prefill = phase_plan("prefill", config.phase_graphs("prefill"), sizes, max_num_batched_tokens)
-        decode = phase_plan("decode", config.phase_graphs("decode"), sizes,
+        given = config.cudagraph_capture_sizes
+        prefill_sizes = [n for n in (given or mixed_batch_ladder(top)) if n <= top]
+        decode_sizes = [n for n in (given or capture_ladder(top)) if n <= top]
+        prefill = phase_plan("prefill", config.phase_graphs("prefill"), prefill_sizes, max_num_batched_tokens)
+        decode = phase_plan("decode", config.phase_graphs("decode"), decode_sizes,
                             min(max_num_seqs, max_num_batched_tokens))
         return cls(prefill, decode, enabled)
 
