@@ -440,3 +440,35 @@ def test_the_preload_skips_a_module_this_torch_lacks_but_not_a_broken_one(tmp_pa
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="kiln_missing_dependency_probe"):
         _import_if_present("kiln_broken_probe")
+
+
+def test_a_triton_compile_after_start_up_is_logged_by_kernel_name(monkeypatch, caplog):
+    """Triton's compile listener (a stand-in module here: the CPU has no Triton) counts every
+    compile; once start-up is over, a compile is a kernel the warm-up missed and is named."""
+    import types
+
+    from kiln.compile.cache import triton_kernels
+
+    compilation = types.SimpleNamespace(listener=None)
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(knobs=types.SimpleNamespace(
+        compilation=compilation)))
+    monkeypatch.setattr(triton_kernels, "_listening", False)
+    monkeypatch.setattr(triton_kernels, "_started", False)
+    monkeypatch.setattr(triton_kernels, "_counts", dict(triton_kernels._counts, compiled=0, cache_hits=0))
+    triton_kernels.listen()
+
+    def paged_attention_kernel():
+        pass
+
+    src = types.SimpleNamespace(fn=paged_attention_kernel, attrs={(17,): [["tt.divisibility", 16]]})
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        compilation.listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=False)
+        assert not caplog.records  # during start-up: counted only
+        triton_kernels.started()
+        compilation.listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=True)
+        assert not caplog.records  # a cache hit compiles nothing
+        compilation.listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=False)
+    assert triton_kernels.counts()["compiled"] == 2 and triton_kernels.counts()["cache_hits"] == 1
+    (record,) = caplog.records
+    assert "Triton compiled paged_attention_kernel after start-up" in record.getMessage()
+    assert "tt.divisibility" in record.getMessage()

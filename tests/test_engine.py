@@ -49,6 +49,26 @@ def test_start_up_warm_up_request_touches_no_kv_block(llm, alone):
     assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == alone[0]
 
 
+def test_start_up_warm_up_request_has_a_real_steps_block_table_width(llm, monkeypatch):
+    """Triton specialises a kernel on its integer arguments' divisibility by 16, the block
+    table's row stride among them: a warm-up with a narrower table than a real step's warms
+    another attention kernel, and the first request compiles its own (1.5 s on the H100)."""
+    from kiln.engine import runner as runner_module
+
+    runner, seen = llm.engine.runner, []
+    real = runner_module.set_forward_context
+
+    def recording(meta, kv_caches):
+        seen.append(meta)
+        return real(meta, kv_caches)
+
+    monkeypatch.setattr(runner_module, "set_forward_context", recording)
+    runner._warm_up_requests()
+    (meta,) = seen
+    assert meta.block_tables.stride(0) == runner.cudagraphs.buffers.block_tables.stride(0)
+    assert meta.block_tables.shape[1] * runner.block_size >= meta.max_seq_len
+
+
 def test_stop_string_cuts_text(llm):
     free = llm.generate("The capital of France is", SamplingParams(max_tokens=16, temperature=0))[0]
     stop = free.text.strip().split()[1]  # a word the model is known to produce

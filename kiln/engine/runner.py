@@ -267,6 +267,7 @@ class ModelRunner:
             kernels = triton_kernels.counts()
             logger.info("Triton: %d kernels compiled at start-up, %d loaded from its cache", kernels["compiled"],
                         kernels["cache_hits"])
+            triton_kernels.started()
 
     @property
     def compiled_forwards(self) -> list[CompiledModel]:
@@ -323,7 +324,11 @@ class ModelRunner:
         and it reads block 0, whatever that holds) and a greedy and a sampled row (the Triton argmax
         and its Gumbel variant, each the same kernel for every batch and sampling setting)."""
         n = min(32, self.config.max_num_batched_tokens)
-        blocks = torch.zeros(1, -(-n // self.block_size), dtype=torch.int32, device=self.device)
+        # As wide as a real step's block table (the step buffers' rows): Triton specialises a
+        # kernel on its integer arguments' divisibility by 16, so another width (the row stride)
+        # is another kernel. A 2-wide one left the first request on the H100 to compile
+        # attention's prefill variant, 1.5 s.
+        blocks = torch.zeros(1, self.cudagraphs.buffers.max_blocks, dtype=torch.int32, device=self.device)
         meta = dataclasses.replace(warm_up_metadata(n, self.device, length=n), block_tables=blocks)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.inference_mode(), set_forward_context(meta, self.kv_caches if kv_caches is None else kv_caches):

@@ -10,11 +10,15 @@ the GPU target, so one directory serves every model and GPU.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
+logger = logging.getLogger("kiln")
+
 TRITON_DIR = "triton"
 
+_started = False
 _counts = {"compiled": 0, "compiled_in_workers": 0, "cache_hits": 0, "precompile_s": 0.0, "precompile_kernel_s": 0.0}
 _listening = False
 
@@ -48,11 +52,24 @@ def listen() -> None:
 
     def listener(*, src, metadata, metadata_group, times, cache_hit):
         _counts["cache_hits" if cache_hit else "compiled"] += 1
+        if not cache_hit and _started:
+            # A compile after start-up stalls the step that launched it (~1 s): name it, so the
+            # start-up warm-up can be made to cover it.
+            fn = getattr(src, "fn", None)
+            logger.warning("Triton compiled %s after start-up, while serving: the step that launched it waited "
+                           "for the compile (its specialization: %s)", getattr(fn, "__name__", src),
+                           str(getattr(src, "attrs", getattr(src, "constants", "")))[:300])
         if previous is not None:
             previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
 
     knobs.compilation.listener = listener
     _listening = True
+
+
+def started() -> None:
+    """Start-up is over: a compile from now on is a kernel the warm-up missed, and is logged."""
+    global _started
+    _started = True
 
 
 def add_worker_compiles(done: dict) -> None:
