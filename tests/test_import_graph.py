@@ -102,17 +102,20 @@ def test_the_checker_sees_a_circle_and_a_stray_import():
     assert "kiln.engine.llm" in imports_of(ROOT / "engine" / "__init__.py", modules)
 
 
-def test_an_eager_engine_never_imports_dynamo():
+def test_an_eager_engine_never_imports_dynamo_or_sympy():
     """Importing kiln and running an eager engine (build, KV cache, a generate) leaves Dynamo and
     Inductor unimported: a second of every eager start. kiln's ops are called straight outside a
-    compile (kiln.ops.custom_op.call); through torch.library their first call imports Dynamo."""
+    compile (kiln.ops.custom_op.call); through torch.library their first call imports Dynamo.
+    Nor sympy and torch's symbolic shapes (0.2-0.3 s on a CPU core): the graph-pass registry
+    and Module.to_empty imported them."""
     import subprocess
     import sys
 
     script = ("import sys\nfrom kiln import LLM, SamplingParams\n"
               "llm = LLM('tiny-llama', device='cpu', enforce_eager=True)\n"
               "llm.generate([{'prompt_token_ids': [1, 2, 3]}], SamplingParams(max_tokens=3, ignore_eos=True))\n"
-              "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))\n")
+              "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'sympy',\n"
+              "                         'torch.fx.experimental.symbolic_shapes') if m in sys.modules))\n")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-2000:]

@@ -164,10 +164,14 @@ class CompilationConfig:
                 raise ValueError(f"compilation backend {self.backend!r} is unknown; valid: {', '.join(valid)}")
 
     def _check_passes(self) -> None:
-        # Only here: the registry imports FX and fake-tensor code a config file need not load.
-        from kiln.compile.passes.registry import check_pass_names, pass_class
+        whole = []
+        if self.passes:
+            # Only here: the registry imports FX and fake-tensor code (sympy with them, 0.3 s on a
+            # CPU core) that a config without passes, like the eager default's, need not load.
+            from kiln.compile.passes.registry import check_pass_names, pass_class
 
-        check_pass_names(self.passes)
+            check_pass_names(self.passes)
+            whole = [name for name in self.passes if pass_class(name).needs_whole_graph]
         inductor = self.mode == 3 and self.piece_compiler == "inductor"
         if self.passes and not inductor:
             raise ValueError(f"compilation passes {self.passes} run inside Inductor's piece compiler; use mode 3 "
@@ -179,7 +183,6 @@ class CompilationConfig:
         if self.splitting_mode == "none" and self.splitting_ops:
             raise ValueError(f"compilation splitting_ops {self.splitting_ops} cut nothing with splitting_mode "
                              f"'none'; drop them, or use splitting_mode 'inductor_partition' to partition there")
-        whole = [name for name in self.passes if pass_class(name).needs_whole_graph]
         if whole and self.splitting_mode == "fx":
             raise ValueError(f"the {', '.join(whole)} pass rewrites the graph across the split ops (attention), "
                              f"so it needs the whole graph, but splitting_mode 'fx' cuts the graph there before "

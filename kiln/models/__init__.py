@@ -46,7 +46,10 @@ def build_model(cfg: ModelArchConfig, dtype: torch.dtype, device: torch.device,
     cls = model_class(cfg.architecture)
     with torch.device("meta"), enabled_custom_ops(custom_ops):
         model = cls(cfg)
-    model = model.to(dtype).to_empty(device=device)
+    # to_empty's empty_like of a meta tensor runs torch's Python reference, whose first call
+    # imports sympy and the symbolic-shapes module (0.2 s of an eager start on a CPU core); a
+    # plain factory call gives the same storage.
+    model = model.to(dtype)._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
     model.tie_weights()
     with torch.no_grad():
         if weights is None:
