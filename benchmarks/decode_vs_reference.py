@@ -13,6 +13,8 @@ sequences of `context` random tokens are prefilled, then decoded:
                          with async scheduling (the GPU default) the host prepares a step
                          while the GPU runs the one before
     sync_engine_step_ms  the same with async scheduling off: each step waits for its tokens
+    *_median_ms, *_max_ms  the median and the slowest of those steps (wall time between step
+                         returns): a one-off stall moves the mean, not the median
     sampled_engine_step_ms  (--sampled) engine_step_ms with chat-style sampling instead of greedy
                          (temperature 0.8, top-k 50, top-p 0.95, unseeded): what sampling after
                          the graph's replay adds to a step
@@ -98,10 +100,17 @@ def measure_batch(llm: LLM, batch: int, args, sampling: dict | None = None) -> d
                 engine.step()
             sync(args.device)
             start = time.perf_counter()
+            ends = []
             for _ in range(args.steps):
                 engine.step()
+                ends.append(time.perf_counter())
             sync(args.device)
             result[key] = (time.perf_counter() - start) / args.steps * 1e3
+            # A one-off stall (a collection, a host hiccup) moves the mean of 30 steps by 1/30 of
+            # itself: the median and the slowest step say whether one did.
+            intervals = [1e3 * (b - a) for a, b in zip([start] + ends, ends)]
+            result[key.replace("_ms", "_median_ms")] = statistics.median(intervals)
+            result[key.replace("_ms", "_max_ms")] = max(intervals)
             engine.drain()
         if not sampling:
             result["mean_context"] = statistics.mean(s.num_computed_tokens for s in seqs) - args.steps / 2
@@ -170,7 +179,8 @@ def run_mode(name: str, args) -> dict:
         if args.sampled:
             point.update(measure_batch(llm, batch, args, CHAT_SAMPLING))
         out["points"].append(point)
-        print(f"{name:8s} b{batch:<4d} engine step {point['engine_step_ms']:6.2f} ms (sync "
+        print(f"{name:8s} b{batch:<4d} engine step {point['engine_step_ms']:6.2f} ms (median "
+              f"{point['engine_step_median_ms']:6.2f}, slowest {point['engine_step_max_ms']:6.2f}; sync "
               f"{point['sync_engine_step_ms']:6.2f}"
               + (f", sampled {point['sampled_engine_step_ms']:6.2f}" if args.sampled else "")
               + f"), forward+logits {point['forward_ms']:6.2f} ms", flush=True)
