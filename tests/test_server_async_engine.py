@@ -44,6 +44,31 @@ def test_concurrent_requests_equal_the_offline_engine():
     assert asyncio.run(main()) == alone
 
 
+def test_a_steps_outputs_wake_the_event_loop_once():
+    """Every request's output of a step reaches its queue through one call_soon_threadsafe (a
+    write to the loop's self-pipe under the GIL), not one per request."""
+    async def main():
+        engine = await _started(_config())
+        loop, calls = asyncio.get_running_loop(), []
+        real = loop.call_soon_threadsafe
+
+        def counting(fn, *args):
+            calls.append(fn)
+            return real(fn, *args)
+
+        loop.call_soon_threadsafe = counting
+        together = await asyncio.gather(*(_tokens(engine, p) for p in PROMPTS))
+        await engine.shutdown()
+        return together, calls
+
+    together, calls = asyncio.run(main())
+    assert [len(t) for t in together] == [GREEDY.max_tokens] * len(PROMPTS)
+    delivered = [fn for fn in calls if getattr(fn, "__name__", "") == "_deliver"]
+    # At least one step per output token; far fewer than one call per request and token.
+    assert GREEDY.max_tokens <= len(delivered) < len(PROMPTS) * GREEDY.max_tokens
+    assert len(calls) - len(delivered) <= 2 * len(PROMPTS)  # the acceptances, and shutdown's
+
+
 def test_leaving_early_aborts_and_frees_blocks():
     async def main():
         engine = await _started(_config())

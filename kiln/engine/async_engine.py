@@ -256,13 +256,18 @@ class AsyncEngine:
             self._publish_stats()
             return
         self._publish_stats()  # first, so a client that sees its request finish sees it gone from the stats
+        deliveries = []
         for out in outputs:
             request = self._requests.get(out.request_id)
             if request is None:
                 continue
             if out.finished:
                 del self._requests[out.request_id]
-            self._call(request.outputs.put_nowait, out)
+            deliveries.append((request.outputs, out))
+        if deliveries:
+            # One wake-up of the event loop a step, not one per request: each is a write to its
+            # self-pipe, taken under the GIL the loop's thread also wants.
+            self._call(_deliver, deliveries)
 
     def _abort_all(self, error: RequestAborted) -> None:
         if self._requests:
@@ -285,3 +290,8 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is closed: nobody is waiting any more
             pass
+
+
+def _deliver(deliveries: list[tuple[asyncio.Queue, object]]) -> None:
+    for outputs, out in deliveries:
+        outputs.put_nowait(out)
