@@ -453,7 +453,7 @@ def test_a_triton_compile_after_start_up_is_logged_by_kernel_name(monkeypatch, c
     monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(knobs=types.SimpleNamespace(
         compilation=compilation)))
     monkeypatch.setattr(triton_kernels, "_listening", False)
-    monkeypatch.setattr(triton_kernels, "_started", False)
+    monkeypatch.setattr(triton_kernels, "_start_up_done", False)
     monkeypatch.setattr(triton_kernels, "_counts", dict(triton_kernels._counts, compiled=0, cache_hits=0))
     triton_kernels.listen()
 
@@ -464,7 +464,7 @@ def test_a_triton_compile_after_start_up_is_logged_by_kernel_name(monkeypatch, c
     with caplog.at_level(logging.WARNING, logger="kiln"):
         compilation.listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=False)
         assert not caplog.records  # during start-up: counted only
-        triton_kernels.started()
+        triton_kernels.start_up(done=True)
         compilation.listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=True)
         assert not caplog.records  # a cache hit compiles nothing
         compilation.listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=False)
@@ -472,3 +472,8 @@ def test_a_triton_compile_after_start_up_is_logged_by_kernel_name(monkeypatch, c
     (record,) = caplog.records
     assert "Triton compiled paged_attention_kernel after start-up" in record.getMessage()
     assert "tt.divisibility" in record.getMessage()
+    triton_kernels.start_up(done=False)  # another engine's start-up: counted, not logged
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        compilation.listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=False)
+    assert not caplog.records

@@ -179,6 +179,7 @@ class ModelRunner:
         cache = compile_cache(source, self.dtype, self.custom_ops)
         if self.device.type == "cuda":  # kiln's own kernels compile into the cache root (where one is on)
             triton_kernels.use_cache_root(cache.root.path) if cache is not None else triton_kernels.listen()
+            triton_kernels.start_up(done=False)
         if config.compilation_config.mode != 0:
             # A compile imports Dynamo anyway (~1 s): here, on the timeline, before the threads below
             # start (two threads importing the same circular modules can deadlock). Eager, never.
@@ -267,7 +268,7 @@ class ModelRunner:
             kernels = triton_kernels.counts()
             logger.info("Triton: %d kernels compiled at start-up, %d loaded from its cache", kernels["compiled"],
                         kernels["cache_hits"])
-            triton_kernels.started()
+            triton_kernels.start_up(done=True)
 
     @property
     def compiled_forwards(self) -> list[CompiledModel]:

@@ -18,7 +18,7 @@ logger = logging.getLogger("kiln")
 
 TRITON_DIR = "triton"
 
-_started = False
+_start_up_done = False
 _counts = {"compiled": 0, "compiled_in_workers": 0, "cache_hits": 0, "precompile_s": 0.0, "precompile_kernel_s": 0.0}
 _listening = False
 
@@ -52,7 +52,7 @@ def listen() -> None:
 
     def listener(*, src, metadata, metadata_group, times, cache_hit):
         _counts["cache_hits" if cache_hit else "compiled"] += 1
-        if not cache_hit and _started:
+        if not cache_hit and _start_up_done:
             # A compile after start-up stalls the step that launched it (~1 s): name it, so the
             # start-up warm-up can be made to cover it.
             fn = getattr(src, "fn", None)
@@ -66,10 +66,11 @@ def listen() -> None:
     _listening = True
 
 
-def started() -> None:
-    """Start-up is over: a compile from now on is a kernel the warm-up missed, and is logged."""
-    global _started
-    _started = True
+def start_up(done: bool) -> None:
+    """Whether an engine's start-up is over: a compile after it is a kernel the warm-up missed,
+    and is logged (an engine built later in the process starts its own start-up)."""
+    global _start_up_done
+    _start_up_done = done
 
 
 def add_worker_compiles(done: dict) -> None:
