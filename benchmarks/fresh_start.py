@@ -16,7 +16,7 @@ and the first call of benchmarks/reference_decode.py (a static-cache decode loop
 torch.compile(mode="reduce-overhead", fullgraph=True)) at batch 1, in the same run.
 Bytecode is cached under a prefix, as on a pip install, primed by one untimed import.
 
---profile: each start under cProfile, its stats and top functions written to --out.
+--profile: each start under cProfile, its stats written to --out and its top functions printed.
 
 For each start: engine_ready_s (the engine's own timeline, weights included), process_ready_s
 (process spawned to engine ready: imports too), compile_phase_s (dynamo + split + inductor +
@@ -66,16 +66,15 @@ def child(args: argparse.Namespace) -> None:
     flags = MODES[args.mode]
     compilation = parse_compilation_args(flags)[1] if flags else None
     config = EngineConfig(model=args.model, device=args.device, compilation=compilation)
+    profiler = None
     if args.profile_to:
         import cProfile
 
         profiler = cProfile.Profile()
-        engine = profiler.runcall(LLMEngine, config)
-        ready = time.time()
+    engine = profiler.runcall(LLMEngine, config) if profiler else LLMEngine(config)
+    ready = time.time()
+    if profiler:
         profiler.dump_stats(args.profile_to)
-    else:
-        engine = LLMEngine(config)
-        ready = time.time()
     phases = engine.timeline.as_dict()["phases_s"]
     stats = engine.runner.compiled.stats
     print(json.dumps({
@@ -193,8 +192,7 @@ def main() -> None:
     p.add_argument("--profile-to", help=argparse.SUPPRESS)  # the child's: where its stats go
     p.add_argument("--profile", action="store_true",
                    help="run each start under cProfile: --out/profile_<device>_<mode>_<case>.pstats, and its top "
-                        "functions printed "
-                        "(the times grow; compare the profiled starts with each other only)")
+                        "functions printed (the times grow; compare the profiled starts with each other only)")
     args = p.parse_args()
     if args.device == "cpu" and "default" in args.modes and not args.child:
         p.error("the default mode keeps nothing in the cache on the CPU (no kernels, no graphs), so it has no "
