@@ -5,6 +5,7 @@ One entry is filled once (tiny-llama, one range [1, 32]); each test that damages
 it works on a copy. "Second process" tests run tests/cache_process.py in a subprocess.
 """
 
+import gc
 import importlib
 import json
 import logging
@@ -95,9 +96,24 @@ def test_a_warm_start_with_the_preload_loads_every_piece_and_compiles_nothing(fi
     assert stats["inductor_compiles"] == 0 and stats["graphs_seen"] == 0 and stats["pieces_loaded"] == 3
     assert preload is not None and not preload["errors"] and preload["parts"]["torch_key"] > 0
     assert "preload_wait" in stats["warm_phases_s"] and "background.imports" in stats["warm_phases_s"]
-    # Inductor's ISA probes ran in the preload, inside this entry, so the warm start ran none.
+    # Inductor's ISA probes ran in the preload, inside this entry, so the warm start ran none;
+    # and it loaded the pieces once (the warm start's own loads then find them in Inductor's caches).
     assert preload["parts"]["isa_probe"] > 0 and "pieces.isa_probe" not in stats["warm_phases_s"]
+    assert preload["parts"]["pieces"] > 0
     assert out["max_error"] <= 1e-4
+
+
+def test_the_preloads_piece_loads_leave_a_damaged_artifact_to_the_warm_start(copy_of):
+    from kiln.compile.cache.entry import load_pieces_in
+
+    root, key = copy_of
+    manifest = (root / key / "manifest.json").read_bytes()
+    piece = sorted((root / key / "pieces").iterdir())[0]
+    piece.write_bytes(piece.read_bytes()[:-1] + b"x")
+    # Loads the two good pieces, and neither raises nor repairs: the warm start reports and
+    # rebuilds the damaged one (test_a_corrupted_artifact_byte_is_logged_and_rebuilt).
+    load_pieces_in(root / key)
+    assert (root / key / "manifest.json").read_bytes() == manifest and piece.exists()
 
 
 def test_a_cold_cpu_capture_takes_the_isa_probes_run_ahead(filled, tmp_path, monkeypatch):
@@ -360,6 +376,7 @@ def test_engine_starts_warm_and_reports_cache_load(copy_of, monkeypatch):
     assert llm.engine.runner.compiled.entry.key == key
     assert _compile_cache_counters(llm.engine) == (3, 0)
     assert len(llm.generate([[1, 5, 9]])[0].token_ids) > 0
+    assert gc.isenabled()  # paused while it imported and loaded (kiln.compile.gc_pause), on again
 
 
 def test_cache_ls_and_clear(copy_of):

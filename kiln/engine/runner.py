@@ -21,6 +21,7 @@ from kiln.compile.cache import triton_kernels
 from kiln.compile.cache.entry import probe_isa_ahead
 from kiln.compile.cache.preload import isa_probes_ahead_due, preload_if_warm
 from kiln.compile.compile_workers import compiles_in_workers, start_ahead, start_before_cold_start, worker_count
+from kiln.compile.gc_pause import collector_paused
 from kiln.compile.layer_stamping import layer_kinds
 from kiln.compile.opt_in import is_repeated_layer
 from kiln.compile.triton_precompile import KernelCompiler, MissingKernels, triton_target
@@ -183,14 +184,14 @@ class ModelRunner:
         if config.compilation_config.mode != 0:
             # A compile imports Dynamo anyway (~1 s): here, on the timeline, before the threads below
             # start (two threads importing the same circular modules can deadlock). Eager, never.
-            with timeline.phase("imports"):
+            with timeline.phase("imports"), collector_paused():
                 importlib.import_module("torch._dynamo")
         # A warm start's once-per-process work (imports, torch's and Triton's keys) runs while the weights load,
         # and so does Triton's driver start (on a fresh machine it builds its C utilities first: ~0.7 s).
         preload_if_warm(config.compilation_config, cache, self.device)
         start_before_cold_start(config.compilation_config, cache, self.device.type)
         if isa_probes_ahead_due(config.compilation_config, cache, self.device):
-            with timeline.phase("imports"):  # the modules the probes' thread uses, imported on this one
+            with timeline.phase("imports"), collector_paused():  # the modules the probes' thread uses, on this one
                 probe_isa_ahead()
         target = _in_background(triton_target) if self.device.type == "cuda" else None
         with timeline.phase("weights"):

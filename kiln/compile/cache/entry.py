@@ -34,6 +34,7 @@ from pathlib import Path
 
 from kiln.compile.cache.key import FACTORS
 from kiln.compile.cache.store import EntryLock, make_private, no_room, private_dir, sha256_file, write_atomic
+from kiln.compile.gc_pause import collector_paused
 from kiln.compile.monitor import logger
 from kiln.compile.shapes import TokenShape
 
@@ -202,7 +203,7 @@ class CacheEntry:
                 self._write_manifest()
                 return None
             try:
-                with self._timed("program.unpickle"):
+                with self._timed("program.unpickle"), collector_paused():
                     return pickle.loads(data)
             except Exception as e:  # e.g. an op or module it names is gone from this install
                 logger.warning("compile cache: %s could not be loaded (%s: %s); capturing again",
@@ -218,8 +219,6 @@ class CacheEntry:
 
     def load_piece(self, index: int, shape: TokenShape) -> Callable | None:
         """The artifact of unique piece `index` for `shape`; None if absent or bad (then removed)."""
-        import torch._inductor
-
         rel = self.artifact(index, shape)
         if rel not in self.manifest["files"]:
             return None
@@ -230,14 +229,19 @@ class CacheEntry:
             self._write_manifest()
             return None
         try:
-            with self.loader_dirs(), self._timed("pieces.inductor_load"):
-                return torch._inductor.CompiledArtifact.load(path=str(self.path / rel), format="binary")
+            return self._load_artifact(rel)
         except Exception as e:  # a valid checksum over bytes this torch cannot read
             logger.warning("compile cache: %s could not be loaded (%s: %s); rebuilding it",
                            self.path / rel, type(e).__name__, e)
             self._forget(rel)
             self._write_manifest()
             return None
+
+    def _load_artifact(self, rel: str) -> Callable:
+        import torch._inductor
+
+        with self.loader_dirs(), self._timed("pieces.inductor_load"), collector_paused():
+            return torch._inductor.CompiledArtifact.load(path=str(self.path / rel), format="binary")
 
     def save_piece(self, index: int, shape: TokenShape, artifact) -> None:
         rel = self.artifact(index, shape)
@@ -373,6 +377,23 @@ def probe_isa_in(path: Path) -> None:
     with _inductor_dir(path):
         probe_isa_here()
     _PROBED.add(path)
+
+
+def load_pieces_in(path: Path) -> None:
+    """Load every piece artifact of the entry at `path` once and drop them, ahead of its warm
+    start: the compile preload runs this while the weights load. The first load of C++ kernels
+    in a process runs the compiler's preprocessor over Inductor's precompiled header, to check
+    that it is current (a subprocess, ~0.15 s on a 2-core CPU), and opens each .so; Inductor
+    keeps both for the process, so the warm start's own loads then take milliseconds. What is
+    missing or fails its checksum is left to the warm start, which reports and rebuilds it."""
+    entry = CacheEntry(path, path.name)
+    with entry.lock():
+        entry.manifest = entry.read_manifest() or {}
+        files = entry.manifest.get("files", {})
+        for record in entry.manifest.get("shapes", {}).values():
+            for rel in record["artifacts"]:
+                if rel in files and sha256_file(path / rel) == files[rel]:
+                    entry._load_artifact(rel)
 
 
 _ahead: tuple[threading.Thread, Path] | None = None  # probe_isa_ahead's thread and its scratch dir

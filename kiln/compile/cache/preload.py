@@ -7,8 +7,10 @@ Inductor's torch_key() (a hash of torch's source files, which every artifact loa
 on CUDA, Triton's key and backend hash (a hash of Triton's sources, and the compiler version).
 
 On the CPU it also runs Inductor's ISA probes (a subprocess each) inside the entry this start
-most likely uses (kiln.compile.cache.entry.probe_isa_in). None of the rest depends on the
-model, so the engine starts it all before the weights load, and the warm
+most likely uses (kiln.compile.cache.entry.probe_isa_in), then loads that entry's pieces once
+(load_pieces_in: the header check and the .so files Inductor keeps for the process). The
+imports run with the garbage collector paused (kiln.compile.gc_pause). None of it depends on
+the model's weights, so the engine starts it all before the weights load, and the warm
 start joins it before it touches the cache (the wait is part of the timed warm start, so the
 compile phase never looks shorter than what the start-up waited for). Only where a warm start
 is likely: mode 3 with the compile cache on, and an entry of this model on this device type in
@@ -29,9 +31,10 @@ from pathlib import Path
 
 import torch
 
-from kiln.compile.cache.entry import probe_isa_in
+from kiln.compile.cache.entry import load_pieces_in, probe_isa_in
 from kiln.compile.cache.model_cache import CompileCache
 from kiln.compile.config import CompilationConfig
+from kiln.compile.gc_pause import collector_paused
 from kiln.compile.monitor import logger
 
 # What an artifact load imports (torch 2.11-2.13), roots only: each pulls in the rest. A
@@ -97,11 +100,13 @@ class Preload:
         self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - start
 
     def _run(self) -> None:
-        for module in COMMON_MODULES + DEVICE_MODULES.get(self.device.type, ()):
-            self._step("imports", lambda m=module: _import_if_present(m))
+        with collector_paused():
+            for module in COMMON_MODULES + DEVICE_MODULES.get(self.device.type, ()):
+                self._step("imports", lambda m=module: _import_if_present(m))
         self._step("torch_key", _torch_key)
         if self.probe_entry is not None:
             self._step("isa_probe", lambda: probe_isa_in(self.probe_entry))
+            self._step("pieces", lambda: load_pieces_in(self.probe_entry))
         if self.device.type == "cuda":
             self._step("triton_key", lambda: _triton_keys(self.cuda_index))
 
@@ -159,7 +164,7 @@ def preload_if_warm(config: CompilationConfig, cache: CompileCache | None, devic
     entries = cache.root.entries_for(cache.name, device.type)
     if not entries:
         return None
-    # On the CPU, Inductor's ISA probes too, in the entry last written: most likely the one this
-    # start will use (if not, that one probes again when it loads, as without the preload).
+    # On the CPU, Inductor's ISA probes and a first load of the pieces too, in the entry last written:
+    # most likely the one this start will use (if not, that one does both itself, as without the preload).
     cache.preload = start_preload(device, entries[0] if device.type == "cpu" else None)
     return cache.preload

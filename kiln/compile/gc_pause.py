@@ -1,0 +1,40 @@
+"""The cyclic garbage collector paused while a start-up imports and loads.
+
+Importing Dynamo and Inductor creates ~1M long-lived objects (modules, functions, classes) and
+almost no garbage, yet each of them is counted towards a collection: with the collector on,
+a quarter of the import time is spent walking a heap that only grows (0.9 -> 0.7 s for Dynamo on
+a 2-core CPU). So those spans run with the collector off. At the end of the last one, what they
+allocated goes straight to the oldest generation (freeze, then unfreeze) instead of being walked
+by the next young collection; its garbage is found by the next full collection, as it would
+have been after surviving two young ones. Never around a trace or a compile: those make garbage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+
+_lock = threading.Lock()
+_depth = 0  # spans open now, over all threads: the collector stays off until the last ends
+_was_enabled = False
+
+
+@contextlib.contextmanager
+def collector_paused():
+    global _depth, _was_enabled
+    with _lock:
+        if _depth == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                gc.freeze()
+                gc.unfreeze()
+                if _was_enabled:
+                    gc.enable()

@@ -1,0 +1,53 @@
+"""kiln.compile.gc_pause: the collector off while a start-up imports and loads, on every
+thread's span, and what those spans allocated handed to the oldest generation unwalked."""
+
+import gc
+import threading
+
+import pytest
+
+from kiln.compile.gc_pause import collector_paused
+
+
+@pytest.fixture
+def collector_on():
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    (gc.enable if was else gc.disable)()
+
+
+def test_the_collector_stays_off_until_the_last_span_ends_on_any_thread(collector_on):
+    inside, release = threading.Event(), threading.Event()
+
+    def other_span():
+        with collector_paused():
+            inside.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other_span)
+    with collector_paused():
+        assert not gc.isenabled()
+        thread.start()
+        assert inside.wait(10)
+    assert not gc.isenabled()  # the other thread's span is still open
+    release.set()
+    thread.join(10)
+    assert gc.isenabled()
+
+
+def test_a_collector_the_caller_had_turned_off_stays_off(collector_on):
+    gc.disable()
+    with collector_paused():
+        pass
+    assert not gc.isenabled()
+
+
+def test_what_a_span_allocated_goes_to_the_oldest_generation_unwalked(collector_on):
+    with collector_paused():
+        made = [[] for _ in range(5000)]  # 5000 containers: several young collections' worth
+        assert gc.get_count()[0] >= 5000  # counted, never collected, while paused
+    assert gc.get_count()[0] < 100  # the next young collection is far off, not due at once
+    oldest = {id(o) for o in gc.get_objects(generation=2)}
+    assert id(made) in oldest and all(id(x) in oldest for x in made[:10])
+    del made
