@@ -103,17 +103,45 @@ def test_a_warm_start_with_the_preload_loads_every_piece_and_compiles_nothing(fi
     assert out["max_error"] <= 1e-4
 
 
-def test_the_preloads_piece_loads_leave_a_damaged_artifact_to_the_warm_start(copy_of):
+def _recorded_loads(monkeypatch) -> list[str]:
+    from kiln.compile.cache.entry import CacheEntry
+
+    loaded, load = [], CacheEntry._load_artifact
+    monkeypatch.setattr(CacheEntry, "_load_artifact", lambda self, rel: (loaded.append(rel), load(self, rel))[1])
+    return loaded
+
+
+def test_the_preloads_piece_loads_leave_a_damaged_artifact_to_the_warm_start(copy_of, monkeypatch):
     from kiln.compile.cache.entry import load_pieces_in
 
     root, key = copy_of
     manifest = (root / key / "manifest.json").read_bytes()
-    piece = sorted((root / key / "pieces").iterdir())[0]
-    piece.write_bytes(piece.read_bytes()[:-1] + b"x")
+    pieces = sorted((root / key / "pieces").iterdir())
+    pieces[0].write_bytes(pieces[0].read_bytes()[:-1] + b"x")
+    loaded = _recorded_loads(monkeypatch)
     # Loads the two good pieces, and neither raises nor repairs: the warm start reports and
     # rebuilds the damaged one (test_a_corrupted_artifact_byte_is_logged_and_rebuilt).
     load_pieces_in(root / key)
-    assert (root / key / "manifest.json").read_bytes() == manifest and piece.exists()
+    assert sorted(Path(rel).name for rel in loaded) == [p.name for p in pieces[1:]]
+    assert (root / key / "manifest.json").read_bytes() == manifest and pieces[0].exists()
+
+
+def test_the_preload_does_not_wait_for_an_entry_another_process_is_writing(copy_of, monkeypatch):
+    import fcntl
+
+    from kiln.compile.cache.entry import load_pieces_in
+
+    root, key = copy_of
+    loaded = _recorded_loads(monkeypatch)
+    fd = os.open(root / key / "lock", os.O_RDWR)  # a second descriptor: flock sees another holder
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        load_pieces_in(root / key)  # returns at once, loading nothing
+        assert loaded == []
+    finally:
+        os.close(fd)
+    load_pieces_in(root / key)
+    assert len(loaded) == 3
 
 
 def test_a_cold_cpu_capture_takes_the_isa_probes_run_ahead(filled, tmp_path, monkeypatch):

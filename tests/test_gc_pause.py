@@ -51,3 +51,24 @@ def test_what_a_span_allocated_goes_to_the_oldest_generation_unwalked(collector_
     oldest = {id(o) for o in gc.get_objects(generation=2)}
     assert id(made) in oldest and all(id(x) in oldest for x in made[:10])
     del made
+
+
+def test_objects_someone_else_froze_stay_frozen(collector_on):
+    gc.freeze()  # as a trace does around its loads (kiln.compile.capture), or an app before forking
+    try:
+        frozen = gc.get_freeze_count()
+        with collector_paused():
+            [[] for _ in range(1000)]
+        assert gc.get_freeze_count() == frozen and gc.isenabled()
+    finally:
+        gc.unfreeze()
+
+
+def test_an_error_inside_a_span_still_ends_it(collector_on):
+    with pytest.raises(RuntimeError):
+        with collector_paused():
+            raise RuntimeError("a failed import")
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()

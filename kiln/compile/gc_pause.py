@@ -6,7 +6,10 @@ a quarter of the import time is spent walking a heap that only grows (0.9 -> 0.7
 a 2-core CPU). So those spans run with the collector off. At the end of the last one, what they
 allocated goes straight to the oldest generation (freeze, then unfreeze) instead of being walked
 by the next young collection; its garbage is found by the next full collection, as it would
-have been after surviving two young ones. Never around a trace or a compile: those make garbage.
+have been after surviving two young ones. Not where something else has frozen objects (a trace,
+kiln.compile.capture, loads pieces inside its own freeze; an application may freeze its heap
+before forking): unfreezing would hand them back to the collector, so those objects stay young.
+Never around a trace or a compile: those make garbage.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ def collector_paused():
         with _lock:
             _depth -= 1
             if _depth == 0:
-                gc.freeze()
-                gc.unfreeze()
+                if gc.get_freeze_count() == 0:
+                    gc.freeze()
+                    gc.unfreeze()
                 if _was_enabled:
                     gc.enable()

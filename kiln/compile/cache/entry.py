@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kiln.compile.cache.key import FACTORS
-from kiln.compile.cache.store import EntryLock, make_private, no_room, private_dir, sha256_file, write_atomic
+from kiln.compile.cache.store import EntryBusy, EntryLock, make_private, no_room, private_dir, sha256_file, write_atomic
 from kiln.compile.gc_pause import collector_paused
 from kiln.compile.monitor import logger
 from kiln.compile.shapes import TokenShape
@@ -71,9 +71,9 @@ class CacheEntry:
         return self.manifest.get("model") or "the model"
 
     @contextlib.contextmanager
-    def lock(self):
+    def lock(self, wait: bool = True):
         lock = EntryLock.of(self.path / "lock")
-        with lock.hold():
+        with lock.hold(wait):
             if lock.depth == 1 and self.manifest:
                 self._refresh()  # another process may have written since this one last held it
             yield
@@ -383,17 +383,22 @@ def load_pieces_in(path: Path) -> None:
     """Load every piece artifact of the entry at `path` once and drop them, ahead of its warm
     start: the compile preload runs this while the weights load. The first load of C++ kernels
     in a process runs the compiler's preprocessor over Inductor's precompiled header, to check
-    that it is current (a subprocess, ~0.15 s on a 2-core CPU), and opens each .so; Inductor
-    keeps both for the process, so the warm start's own loads then take milliseconds. What is
-    missing or fails its checksum is left to the warm start, which reports and rebuilds it."""
+    that it is current (a subprocess, ~0.15 s on a 2-core CPU); Inductor keeps the check's
+    result for the process, so the warm start's own loads then take milliseconds. What is
+    missing or fails its checksum is left to the warm start, which reports and rebuilds it; and
+    an entry another process is writing now (a prewarm, a shape compiled while serving) is left
+    alone rather than waited for: this start may well not use it."""
     entry = CacheEntry(path, path.name)
-    with entry.lock():
-        entry.manifest = entry.read_manifest() or {}
-        files = entry.manifest.get("files", {})
-        for record in entry.manifest.get("shapes", {}).values():
-            for rel in record["artifacts"]:
-                if rel in files and sha256_file(path / rel) == files[rel]:
-                    entry._load_artifact(rel)
+    try:
+        with entry.lock(wait=False):
+            entry.manifest = entry.read_manifest() or {}
+            files = entry.manifest.get("files", {})
+            for record in entry.manifest.get("shapes", {}).values():
+                for rel in record["artifacts"]:
+                    if rel in files and sha256_file(path / rel) == files[rel]:
+                        entry._load_artifact(rel)
+    except EntryBusy:
+        logger.debug("compile preload: %s is busy; its pieces are not loaded ahead", path)
 
 
 _ahead: tuple[threading.Thread, Path] | None = None  # probe_isa_ahead's thread and its scratch dir

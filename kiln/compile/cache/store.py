@@ -118,6 +118,10 @@ def check_root(path: Path) -> None:
                          f"Fix it with `chmod 700 {path}`, or set KILN_CACHE_ROOT to a directory of your own")
 
 
+class EntryBusy(Exception):
+    """Another process holds an entry's lock (EntryLock.hold(wait=False))."""
+
+
 class EntryLock:
     """An exclusive flock on <entry>/lock, re-entrant within a process (a second flock on
     a new descriptor of the same file would wait for the first forever)."""
@@ -135,10 +139,11 @@ class EntryLock:
             return cls._locks.setdefault(path, cls(path))
 
     @contextlib.contextmanager
-    def hold(self):
+    def hold(self, wait: bool = True):
+        """wait=False: raise EntryBusy at once if another process holds the lock."""
         with self.mutex:
             if self.depth == 0:
-                self.fd = self._acquire()
+                self.fd = self._acquire(wait)
             self.depth += 1
             try:
                 yield
@@ -148,13 +153,16 @@ class EntryLock:
                     os.close(self.fd)  # releases the flock
                     self.fd = None
 
-    def _acquire(self) -> int:
+    def _acquire(self, wait: bool) -> int:
         while True:
             private_dir(self.path.parent)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                if not wait:
+                    os.close(fd)
+                    raise EntryBusy(self.path.parent) from None
                 logger.info("compile cache: waiting for another process to finish with %s", self.path.parent)
                 fcntl.flock(fd, fcntl.LOCK_EX)
             # `kiln cache clear` may have removed the entry while this process waited.
