@@ -6,8 +6,11 @@ from kiln import logs  # noqa: E402
 
 logs.configure()
 
-from kiln.engine import (LLM, CompletionOutput, GuidedDecodingParams, RequestOutput,  # noqa: E402
-                         RequestOutputKind, SamplingParams, StructuredOutputsParams)
+from kiln.compile.gc_pause import collector_paused  # noqa: E402
+
+with collector_paused():  # torch and the engine: ~0.5M long-lived objects, next to no garbage
+    from kiln.engine import (LLM, CompletionOutput, GuidedDecodingParams, RequestOutput,  # noqa: E402
+                             RequestOutputKind, SamplingParams, StructuredOutputsParams)
 
 __all__ = ["LLM", "CompletionOutput", "GuidedDecodingParams", "RequestOutput", "RequestOutputKind", "SamplingParams",
            "StructuredOutputsParams"]

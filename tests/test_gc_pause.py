@@ -2,6 +2,8 @@
 thread's span, and what those spans allocated handed to the oldest generation unwalked."""
 
 import gc
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -72,3 +74,11 @@ def test_an_error_inside_a_span_still_ends_it(collector_on):
     with collector_paused():
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+def test_importing_kiln_leaves_the_collector_as_it_found_it():
+    code = "import gc, kiln; print(gc.isenabled(), gc.get_freeze_count())"
+    for prefix, want in (("", "True 0"), ("import gc; gc.disable(); ", "False 0")):
+        out = subprocess.run([sys.executable, "-c", prefix + code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == want.split()

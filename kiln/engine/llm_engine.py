@@ -8,6 +8,7 @@ import logging
 import operator
 import time
 
+from kiln.compile.gc_pause import collector_paused
 from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.cpu_threads import choose_threads
@@ -36,7 +37,7 @@ class LLMEngine:
             config = dataclasses.replace(config, cpu_threads=threads)
         self.config = config
         self.timeline = timeline or StartupTimeline()
-        with self.timeline.phase("checkpoint"):
+        with self.timeline.phase("checkpoint"), collector_paused():
             self.source = source or load_source(config.model)
             self.tokenizer = self.source.tokenizer
             self.max_model_len = self._max_model_len()

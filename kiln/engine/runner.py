@@ -194,7 +194,7 @@ class ModelRunner:
             with timeline.phase("imports"), collector_paused():  # the modules the probes' thread uses, on this one
                 probe_isa_ahead()
         target = _in_background(triton_target) if self.device.type == "cuda" else None
-        with timeline.phase("weights"):
+        with timeline.phase("weights"), collector_paused():
             self.model = build_model(source.config, self.dtype, self.device, self.custom_ops,
                                      source.weights() if source.weights and config.load_format == "auto" else None)
         if "skinny_linear" in self.custom_ops and self.device.type == "cpu":

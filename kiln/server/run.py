@@ -12,6 +12,7 @@ import logging
 
 import uvicorn
 
+from kiln.compile.gc_pause import collector_paused
 from kiln.config import EngineConfig
 from kiln.engine.runner import start_compile_workers_ahead
 from kiln.engine.timeline import StartupTimeline
@@ -37,7 +38,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
     # The engine is built on a thread beside uvicorn's loop, and compile workers fork only from a
     # process with one thread: a cold start's are started here, now.
     try:
-        source = load_source(config.model)
+        with collector_paused():
+            source = load_source(config.model)
         start_compile_workers_ahead(config, source)
     except Exception:  # only a head start: the engine's own start does both again, and says why they fail
         source = None
