@@ -8,7 +8,7 @@ logs.configure()
 
 from kiln.compile.gc_pause import collector_paused  # noqa: E402
 
-with collector_paused():  # torch and the engine: ~0.5M long-lived objects, next to no garbage
+with collector_paused():  # torch and the engine: ~200k long-lived objects, next to no garbage
     from kiln.engine import (LLM, CompletionOutput, GuidedDecodingParams, RequestOutput,  # noqa: E402
                              RequestOutputKind, SamplingParams, StructuredOutputsParams)
 

@@ -9,10 +9,10 @@ imports and the warm start's loads) run with the collector off. At the end of th
 what they allocated goes straight to the oldest generation (freeze, then unfreeze) instead of
 being walked by the next young collection; its garbage (~9 MB after an -O2 start) is found by
 the next full collection, which walks the whole heap once (~0.3 s there) whenever the process
-next needs one. Not where something else has frozen objects (a trace,
-kiln.compile.capture, loads pieces inside its own freeze; an application may freeze its heap
-before forking): unfreezing would hand them back to the collector, so those objects stay young.
-Never around a trace or a compile: those make garbage.
+next needs one. Where something else has frozen objects (kiln.compile.capture loads pieces
+inside its own freeze during a trace; an application may freeze its heap before forking) that
+step is skipped, since unfreezing would hand those back to the collector. Never around a trace
+or a compile: those make garbage.
 """
 
 from __future__ import annotations

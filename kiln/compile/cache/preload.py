@@ -8,7 +8,7 @@ on CUDA, Triton's key and backend hash (a hash of Triton's sources, and the comp
 
 On the CPU it also runs Inductor's ISA probes (a subprocess each) inside the entry this start
 most likely uses (kiln.compile.cache.entry.probe_isa_in), then loads that entry's pieces once
-(load_pieces_in: the header check and the .so files Inductor keeps for the process). The
+(load_pieces_in: Inductor keeps its precompiled-header check for the process). The
 imports run with the garbage collector paused (kiln.compile.gc_pause). None of it depends on
 the model's weights, so the engine starts it all before the weights load, and the warm
 start joins it before it touches the cache (the wait is part of the timed warm start, so the
