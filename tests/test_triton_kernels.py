@@ -307,6 +307,26 @@ def test_skinny_matmul_split_k_ragged(kernel, split_k, poisoned_empty):
     assert not gemv._split_counters(x.device).any()
 
 
+@pytest.mark.parametrize("kernel,rows", [("fma", 1), ("fma", 3), ("dot", 5)])
+def test_skinny_matmul_first_chunk_before_the_wait_is_bitwise_the_loop(kernel, rows, poisoned_empty):
+    """With dependent launch mode 2 the first K chunk is peeled off the loop (its weights load
+    before the wait for the kernel before): the same sums in the same order, so the same bits, for
+    whole chunks (EVEN_K), a ragged last chunk, splits that are empty, and the gated loads."""
+    g = torch.Generator().manual_seed(2)
+    for k, block_k, split_k in [(512, 64, 1), (520, 64, 1), (520, 64, 8), (512, 128, 8), (40, 64, 1)]:
+        x, w = randn(rows, k, dtype=torch.float16, generator=g), randn(40, k, dtype=torch.float16, generator=g)
+        config = triton.Config({"BLOCK_N": 32 if kernel == "dot" else 16, "BLOCK_K": block_k, "SPLIT_K": split_k},
+                               num_warps=4, num_stages=2)
+        plain = gemv.skinny_matmul(x, w, kernel=kernel, config=config, pdl=0)
+        assert torch.equal(gemv.skinny_matmul(x, w, kernel=kernel, config=config, pdl=2), plain), (k, split_k)
+        assert_close(plain, (x.float() @ w.float().T).half(), torch.float16, GEMV_TOL)
+        if kernel == "fma":
+            gated = torch.cat([x, x.flip(-1)], dim=-1)
+            assert torch.equal(gemv.skinny_matmul(gated, w, kernel=kernel, config=config, activation="silu", pdl=2),
+                               gemv.skinny_matmul(gated, w, kernel=kernel, config=config, activation="silu", pdl=0))
+    assert not gemv._split_counters(x.device).any()
+
+
 def test_skinny_matmul_views_and_out(poisoned_empty):
     # x: rows of a wider tensor (strided) with a leading batch dim; w: rows of a fused weight.
     x_full, w_full = randn(2, 3, 400), randn(100, GEMV_K)
@@ -734,19 +754,25 @@ def _compile_all_for_sm90() -> None:
     from kiln.ops.triton.kernels import gemv as gemv_kernels
     from kiln.ops.triton.kernels import kept_mass as kept_mass_kernels
 
-    def build(kernel, args: dict, constants: dict, num_warps=4, num_stages=3):
-        # Pointers and strides are marked 16-divisible, as the launcher marks real ones.
-        signature, attrs = {}, {}
-        for index, name in enumerate(kernel.arg_names):
-            if name in constants:
-                signature[name] = "constexpr"
-                continue
-            signature[name] = args[name]
-            if args[name].startswith("*") or "stride" in name:
-                attrs[(index,)] = [["tt.divisibility", 16]]
-        compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                options={"num_warps": num_warps, "num_stages": num_stages})
-        print("compiled", kernel.__name__, constants)
+    def build(kernel, args: dict, constants: dict, num_warps=4, num_stages=3, pdl=(0, 1)):
+        # Each with programmatic dependent launch off and on (kiln.ops.triton.dependent_launch):
+        # on, the kernel must wait for its predecessor (griddepcontrol.wait), off it must not.
+        for mode in pdl:
+            if mode is not None:  # None: a kernel kiln never launches dependently
+                constants = dict(constants, PDL=mode)
+            # Pointers and strides are marked 16-divisible, as the launcher marks real ones.
+            signature, attrs = {}, {}
+            for index, name in enumerate(kernel.arg_names):
+                if name in constants:
+                    signature[name] = "constexpr"
+                    continue
+                signature[name] = args[name]
+                if args[name].startswith("*") or "stride" in name:
+                    attrs[(index,)] = [["tt.divisibility", 16]]
+            compiled = compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": bool(mode)})
+            assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == bool(mode), (kernel.__name__, constants)
+            print("compiled", kernel.__name__, constants)
 
     bf16, f32, i32 = "*bf16", "fp32", "i32"
     build(norm.rms_norm_kernel, dict(x_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, x_row_stride=i32,
@@ -764,7 +790,7 @@ def _compile_all_for_sm90() -> None:
               dict(BLOCK=4096, CHUNKS=32, GUMBEL=gumbel, SCALED=scaled), 8)
     build(kept_mass_kernels.kept_mass_kernel,
           dict(x_ptr="*fp32", temperature_ptr="*fp32", top_ptr="*fp32", threshold_ptr="*fp32", part_ptr="*fp32",
-               width=i32, x_row_stride=i32, chunks=i32), dict(BLOCK=4096), 8)
+               width=i32, x_row_stride=i32, chunks=i32), dict(BLOCK=4096), 8, pdl=(None,))
     for gelu_tanh in (False, True):
         build(activation.gated_activation_kernel, dict(x_ptr=bf16, out_ptr=bf16, x_row_stride=i32,
                                                        out_row_stride=i32, width=i32),
@@ -811,29 +837,32 @@ def _compile_all_for_sm90() -> None:
                     b_row_stride=i32, c_row_stride=i32)
     for top_k_div, weighted, block_m in ((8, False, 16), (1, True, 16), (2, False, 64), (1, True, 64)):
         build(moe.moe_gemm_kernel, moe_args, dict(TOP_K_DIV=top_k_div, WEIGHTED=weighted, BLOCK_M=block_m,
-                                                  BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32"))
+                                                  BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32"),
+              pdl=(None,))
     # Every GEMV config the autotuner may pick at Llama-3-8B shapes, at every padded row count.
     gemv_args = dict(x_ptr=bf16, w_ptr=bf16, out_ptr=bf16, ws_ptr="*fp32", counter_ptr="*i32", M=i32, N=i32,
                      K=i32, x_row_stride=i32, w_row_stride=i32, out_row_stride=i32)
+    # (Without dependent launch; each kernel's first config at each row count with its first chunk
+    # loaded before the wait too.)
     for rows in (1, 2, 4):
-        for config in gemv.FMA_CONFIGS:
-            if gemv.config_fits(config, rows, 4096, 4096, 132, fma=True):
-                build(gemv_kernels.gemv_fma_kernel, gemv_args,
-                      dict(BLOCK_M=rows, EVEN_K=True, ACTIVATION="", **config.kwargs), config.num_warps, config.num_stages)
+        for i, config in enumerate(c for c in gemv.FMA_CONFIGS if gemv.config_fits(c, rows, 4096, 4096, 132, fma=True)):
+            build(gemv_kernels.gemv_fma_kernel, gemv_args, dict(BLOCK_M=rows, EVEN_K=True, ACTIVATION="",
+                                                                **config.kwargs),
+                  config.num_warps, config.num_stages, pdl=(0, 2) if i == 0 else (0,))
     for rows in (16, 32, 64):
-        for config in gemv.DOT_CONFIGS:
-            if gemv.config_fits(config, rows, 4096, 4096, 132, fma=False):
-                build(gemv_kernels.gemv_dot_kernel, gemv_args, dict(BLOCK_M=rows, EVEN_K=True, DOT_PRECISION="tf32",
-                                                             **config.kwargs), config.num_warps, config.num_stages)
+        for i, config in enumerate(c for c in gemv.DOT_CONFIGS if gemv.config_fits(c, rows, 4096, 4096, 132, fma=False)):
+            build(gemv_kernels.gemv_dot_kernel, gemv_args, dict(BLOCK_M=rows, EVEN_K=True, DOT_PRECISION="tf32",
+                                                                **config.kwargs),
+                  config.num_warps, config.num_stages, pdl=(0, 2) if i == 0 else (0,))
     # The down projection's gated loads (act(gate) * up), on the config kiln's H200 table picks for it.
     for act in gemv.ACTIVATIONS:
         build(gemv_kernels.gemv_fma_kernel, gemv_args, dict(BLOCK_M=1, EVEN_K=True, ACTIVATION=act,
-                                                     **gemv.FMA_CONFIGS[0].kwargs), 4, 3)
+                                                     **gemv.FMA_CONFIGS[0].kwargs), 4, 3, pdl=(0, 1, 2))
     fp32_args = dict(gemv_args, x_ptr="*fp32", w_ptr="*fp32", out_ptr="*fp32")
     build(gemv_kernels.gemv_fma_kernel, fp32_args, dict(BLOCK_M=2, EVEN_K=False, ACTIVATION="",
-                                                 **gemv.FMA_CONFIGS[0].kwargs))
+                                                 **gemv.FMA_CONFIGS[0].kwargs), pdl=(0, 2))
     build(gemv_kernels.gemv_dot_kernel, fp32_args, dict(BLOCK_M=16, EVEN_K=False, DOT_PRECISION="ieee",
-                                                 **gemv.DOT_CONFIGS[4].kwargs))
+                                                 **gemv.DOT_CONFIGS[4].kwargs), pdl=(0, 2))
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["compile-sm90"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from kiln.ops.triton.dependent_launch import pdl_args
 from kiln.ops.triton.kernels.activation import gated_activation_kernel
 
 BLOCK = 1024
@@ -23,7 +24,7 @@ def _gated(x: torch.Tensor, name: str, gelu_tanh: bool) -> torch.Tensor:
     out_rows = out.view(-1, width)
     grid = (rows.shape[0], triton.cdiv(width, BLOCK))
     gated_activation_kernel[grid](rows, out_rows, rows.stride(0), out_rows.stride(0), width,
-                                  BLOCK=BLOCK, GELU_TANH=gelu_tanh, num_warps=4)
+                                  BLOCK=BLOCK, GELU_TANH=gelu_tanh, num_warps=4, **pdl_args(x.device))
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from kiln.ops.triton.dependent_launch import pdl_args
 from kiln.ops.triton.device_buffers import kept_buffer
 from kiln.ops.triton.kernels.argmax import argmax_kernel
 
@@ -56,7 +57,8 @@ def _launch(x: torch.Tensor, threshold: torch.Tensor | None, seeds: torch.Tensor
     argmax_kernel[(rows, chunks)](x, out, part_value, part_index, _counters(x.device), width, x.stride(0),
                                   threshold if gumbel else x, seeds if gumbel else out,
                                   temperature if temperature is not None else x, BLOCK=block, CHUNKS=chunks,
-                                  GUMBEL=gumbel, SCALED=temperature is not None, num_warps=8 if block >= 4096 else 4)
+                                  GUMBEL=gumbel, SCALED=temperature is not None, num_warps=8 if block >= 4096 else 4,
+                                  **pdl_args(x.device))
     return out
 
 

@@ -41,6 +41,7 @@ import torch
 import triton
 
 from kiln.forward_context import AttentionMetadata
+from kiln.ops.triton.dependent_launch import pdl_args
 from kiln.ops.triton.device_buffers import kept_buffer
 from kiln.ops.triton.kernels.attention import paged_attention_kernel, write_kv_kernel
 
@@ -90,6 +91,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), num_kv_heads, kv_cache.shape[2],
         HEAD_DIM=head_dim, BLOCK_HEADS=_pow2(num_kv_heads), BLOCK_DIM=_pow2(head_dim), num_warps=4,
+        **pdl_args(key.device),
     )
 
 
@@ -265,7 +267,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", ONE_QUERY=one_query,
         HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HEADS_FIRST=tiles.heads_first,
         OFFSETS_64=needs_64bit_offsets(key_cache),
-        num_warps=tiles.num_warps,
+        num_warps=tiles.num_warps, **pdl_args(query.device),
         **({"num_stages": tiles.num_stages} if tiles.num_stages is not None else {}),
     )
 

@@ -51,6 +51,7 @@ import triton
 
 from kiln.ops.activation import GATED_ACTIVATIONS
 from kiln.ops.triton import gemv_configs
+from kiln.ops.triton.dependent_launch import gemv_pdl_args
 from kiln.ops.triton.device_buffers import kept_buffer
 from kiln.ops.triton.kernels.gemv import gemv_dot_kernel, gemv_fma_kernel
 
@@ -310,14 +311,15 @@ def padded_rows(rows: int, kernel: str) -> int:
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
                   kernel: str | None = None, config: triton.Config | None = None,
-                  activation: str | None = None) -> torch.Tensor:
+                  activation: str | None = None, pdl: int | None = None) -> torch.Tensor:
     """x @ weight.T for x [..., K] with at most MAX_ROWS rows and weight [N, K] (K contiguous);
     with an activation (the FMA kernel only; "silu" or "gelu_tanh"), x is [..., 2K], [gate | up],
     and the product is (act(gate) * up) @ weight.T.
 
     Accumulates in fp32; the result has x's dtype. `out` ([rows, N] or x.shape[:-1] + (N,),
     last dim contiguous) receives it if given. `kernel` ("fma" / "dot") and `config` force a
-    kernel and a config instead of the row-count rule and launch_config (tests, benchmarks).
+    kernel and a config instead of the row-count rule and launch_config, `pdl` a dependent-launch
+    mode (kiln.ops.triton.dependent_launch) instead of the device's (tests, benchmarks).
     """
     if activation not in (None, *ACTIVATIONS):
         raise ValueError(f"skinny_matmul: activation {activation!r} is not one of {ACTIVATIONS}")
@@ -372,6 +374,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     args = (rows_view, weight, out_rows, workspace, _split_counters(x.device), M, N, K,
             rows_view.stride(0), weight.stride(0), out_rows.stride(0))
     extra = {"ACTIVATION": activation or ""} if fma else {"DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
+    extra.update(gemv_pdl_args(x.device) if pdl is None else {"PDL": pdl, "launch_pdl": bool(pdl)})
 
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])

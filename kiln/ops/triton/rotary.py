@@ -18,6 +18,7 @@ import functools
 import torch
 import triton
 
+from kiln.ops.triton.dependent_launch import pdl_args
 from kiln.ops.triton.kernels.rotary import rotary_kernel
 
 
@@ -64,7 +65,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     rotary_kernel[(num_tokens,)](
         positions, q, k, cos_sin_cache, q_out, k_out, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
         num_q_heads, num_kv_heads, *cache_args, WRITE_KV=write,
-        **_launch_config(head_dim, cos_sin_cache.shape[-1], num_q_heads, num_kv_heads),
+        **_launch_config(head_dim, cos_sin_cache.shape[-1], num_q_heads, num_kv_heads), **pdl_args(q.device),
     )
     return q_out, k_out
 

@@ -21,8 +21,11 @@ else:
 
 @triton.jit
 def gated_activation_kernel(x_ptr, out_ptr, x_row_stride, out_row_stride, width, BLOCK: tl.constexpr,
-                            GELU_TANH: tl.constexpr):
+                            GELU_TANH: tl.constexpr, PDL: tl.constexpr):
     """out = act(gate) * up for x = [gate | up]; act is SiLU, or GELU's tanh form with GELU_TANH."""
+    if PDL:  # programmatic dependent launch: kiln.ops.triton.dependent_launch
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row_index = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width

@@ -8,13 +8,16 @@ import triton.language as tl
 @triton.jit
 def argmax_kernel(x_ptr, out_ptr, part_value_ptr, part_index_ptr, counter_ptr, width, x_row_stride,
                   threshold_ptr, seed_ptr, temperature_ptr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
-                  GUMBEL: tl.constexpr, SCALED: tl.constexpr):
+                  GUMBEL: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
     """out[row] = the first index of row's largest value (NaN counts as +inf). A program takes
     BLOCK columns of a row; the last of a row's CHUNKS programs to finish reduces their partials.
     GUMBEL: the values below threshold[row] count as -inf and the others get -log(-log(u)) added,
     u uniform from Philox at (seed[row], column): a draw from softmax(x) over the kept columns
     that depends on the row's seed alone. SCALED: x is x / temperature[row] first, rounded as
     torch divides (so the scaled logits need not be written out)."""
+    if PDL:  # programmatic dependent launch: kiln.ops.triton.dependent_launch
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)

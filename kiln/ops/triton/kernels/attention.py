@@ -10,7 +10,10 @@ def write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_map
                      key_token_stride, key_head_stride, value_token_stride, value_head_stride,
                      cache_block_stride, cache_slot_stride, cache_head_stride, num_kv_heads, block_size,
                      HEAD_DIM: tl.constexpr,
-                     BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+                     BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: kiln.ops.triton.dependent_launch
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
     dims = tl.arange(0, BLOCK_DIM)[None, :]
@@ -152,8 +155,11 @@ def paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ONE_QUERY: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    OFFSETS_64: tl.constexpr,
+    OFFSETS_64: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # programmatic dependent launch: kiln.ops.triton.dependent_launch
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # HEADS_FIRST: the grid is (kv heads, tiles, splits), so a sequence's kv heads run side by side
     if HEADS_FIRST:
         kv_head = tl.program_id(0)

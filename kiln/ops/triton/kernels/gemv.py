@@ -102,6 +102,49 @@ def _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K: tl.constexpr, ACTIVAT
     return w, x
 
 
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    @triton.jit
+    def _start_after_predecessor(PDL: tl.constexpr):
+        """The interpreter (CPU tests) runs one launch at a time and has no inline assembly."""
+        pass
+else:
+    @triton.jit
+    def _start_after_predecessor(PDL: tl.constexpr):
+        """With programmatic dependent launch (kiln.ops.triton.dependent_launch): let the next kernel's
+        programs be scheduled now, then wait until the kernel before this one has finished and its
+        writes are visible. Nothing another kernel writes may be touched before this."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _first_chunk(w_ptrs, x_ptrs, rows, ks, k_start, k_end, M, K, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+                 ACTIVATION: tl.constexpr):
+    """The first BLOCK_K chunk of a program's K range, its weights loaded before the wait for the
+    kernel before (no kernel writes weights), x after it. Masked to the range, which may be empty."""
+    if EVEN_K:  # the chunk is whole or the range empty: a uniform mask keeps the loads wide
+        k_mask = (ks * 0 + k_start) < k_end
+    else:
+        k_mask = (k_start + ks) < k_end
+    w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+    _start_after_predecessor(PDL)
+    x_mask = (rows[:, None] < M) & k_mask[None, :]
+    x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+    if ACTIVATION != "":
+        x = _act_mul(x, tl.load(x_ptrs + K, mask=x_mask, other=0.0), ACTIVATION)
+    return w, x
+
+
+@triton.jit
+def _fma_step(acc, w, x, BLOCK_M: tl.constexpr):
+    if BLOCK_M == 1:
+        acc += w.to(tl.float32) * x.to(tl.float32)
+    else:
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc
+
+
 # The row count M changes with every batch: specialising on its value (M % 16 == 0) would compile each
 # kernel twice per row bucket, and a step with a new kind of count paid the compile (~0.4 s on the H200:
 # the first step that sampled 63 rows of the LM head).
@@ -109,19 +152,25 @@ def _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K: tl.constexpr, ACTIVAT
 def gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
                      x_row_stride, w_row_stride, out_row_stride,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, ACTIVATION: tl.constexpr):
+                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, ACTIVATION: tl.constexpr, PDL: tl.constexpr):
     pid_n, pid_k, rows, cols, ks, k_start, k_end, w_ptrs, x_ptrs = _tile_start(
         x_ptr, w_ptr, M, N, K, x_row_stride, w_row_stride, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
+    loop_start = k_start
+    if PDL == 2:  # the first chunk peeled off the loop: the same sums in the same order
+        w, x = _first_chunk(w_ptrs, x_ptrs, rows, ks, k_start, k_end, M, K, EVEN_K, PDL, ACTIVATION)
+        acc = _fma_step(acc, w, x, BLOCK_M)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        loop_start += BLOCK_K
+    else:
+        _start_after_predecessor(PDL)
+    for k in range(loop_start, k_end, BLOCK_K):
         w, x = _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K, ACTIVATION)
-        if BLOCK_M == 1:
-            acc += w.to(tl.float32) * x.to(tl.float32)
-        else:
-            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc = _fma_step(acc, w, x, BLOCK_M)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if BLOCK_M == 1:
@@ -136,11 +185,21 @@ def gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
 def gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
                      x_row_stride, w_row_stride, out_row_stride,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     PDL: tl.constexpr):
     pid_n, pid_k, rows, cols, ks, k_start, k_end, w_ptrs, x_ptrs = _tile_start(
         x_ptr, w_ptr, M, N, K, x_row_stride, w_row_stride, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y.T's tile
-    for k in range(k_start, k_end, BLOCK_K):
+    loop_start = k_start
+    if PDL == 2:
+        w, x = _first_chunk(w_ptrs, x_ptrs, rows, ks, k_start, k_end, M, K, EVEN_K, PDL, "")
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        loop_start += BLOCK_K
+    else:
+        _start_after_predecessor(PDL)
+    for k in range(loop_start, k_end, BLOCK_K):
         w, x = _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K, "")
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K

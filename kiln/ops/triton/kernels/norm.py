@@ -20,7 +20,10 @@ def _scaled_rms_norm(row, weight, hidden_size, eps, input_dtype: tl.constexpr, U
 
 @triton.jit
 def rms_norm_kernel(x_ptr, weight_ptr, out_ptr, x_row_stride, out_row_stride, hidden_size, eps,
-                     BLOCK: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+                     BLOCK: tl.constexpr, UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: kiln.ops.triton.dependent_launch
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row_index = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < hidden_size
@@ -34,7 +37,10 @@ def rms_norm_kernel(x_ptr, weight_ptr, out_ptr, x_row_stride, out_row_stride, hi
 @triton.jit
 def fused_add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
                                x_row_stride, residual_row_stride, out_row_stride, hidden_size, eps,
-                               BLOCK: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+                               BLOCK: tl.constexpr, UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: kiln.ops.triton.dependent_launch
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row_index = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < hidden_size

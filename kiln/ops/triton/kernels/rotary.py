@@ -31,10 +31,14 @@ def rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr,
                    v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, v_token_stride,
                    cache_block_stride, cache_slot_stride, cache_head_stride, block_size, num_slots,
                    HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr,
-                   BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, WRITE_KV: tl.constexpr):
+                   BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, WRITE_KV: tl.constexpr,
+                   PDL: tl.constexpr):
     """Rotate token `program_id`'s q and k heads; WRITE_KV: also store its rotated k and its v in the
     paged KV cache at slot_mapping[token] (no store for slot -1, padding, or past num_slots), as
     kiln.ops.triton.attention's write_kv does, from the values the rotation left in registers."""
+    if PDL:  # programmatic dependent launch: kiln.ops.triton.dependent_launch
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     if WRITE_KV:
