@@ -21,9 +21,12 @@ sequences of `context` random tokens are prefilled, then decoded:
     forward_ms           the step's forward and logits alone, replayed on its own inputs
                          (CUDA-event timed)
 
-Beside them the stock loop of benchmarks/reference_decode.py (same shape, context and batch,
-in a subprocess of this run): reference_step_ms is its loop left to run ahead of the GPU, as
-kiln's engine steps are; its one-step-at-a-time time is kept too. floor_ms is what the
+Per mode, tokens_sha digests the greedy and seeded tokens of 8 prompts: two runs (e.g. KILN_PDL
+on and off) with the same digest generated the same tokens.
+
+Beside them (unless --no-reference) the stock loop of benchmarks/reference_decode.py (same shape,
+context and batch, in a subprocess of this run): reference_step_ms is its loop left to run ahead
+of the GPU, as kiln's engine steps are; its one-step-at-a-time time is kept too. floor_ms is what the
 hardware allows (kiln.tools.bench: weights and KV bytes at the measured copy rate, FLOPs at
 the measured matmul rate). JSON to --out/decode_vs_reference_<device>.json.
 """
@@ -32,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -56,7 +61,10 @@ ROOT = Path(__file__).resolve().parent.parent
 MODES = {"default": dict, "default sample-in-graph": lambda: dict(sample_in_graph=True),
          "O2": lambda: dict(compilation=CompilationConfig.level(2)),
          "O2 native": lambda: dict(compilation=CompilationConfig.level(2),
-                                   custom_ops=["none", "+rms_norm", "+fused_add_rms_norm", "+skinny_linear"])}
+                                   custom_ops=["none", "+rms_norm", "+fused_add_rms_norm", "+skinny_linear"]),
+         # Inductor's kernels launched dependently too (with KILN_PDL, kiln's own are).
+         "O2 inductor-pdl": lambda: dict(compilation=CompilationConfig.level(
+             2, inductor_compile_config={"triton.enable_pdl": True}))}
 
 
 def sync(device: str) -> None:
@@ -125,8 +133,9 @@ def measure_batch(llm: LLM, batch: int, args, sampling: dict | None = None) -> d
     return result
 
 
-def async_tokens_match(llm: LLM) -> bool:
-    """Greedy and seeded tokens with async scheduling on and off (same engine), 8 prompts."""
+def async_tokens(llm: LLM) -> tuple[bool, str]:
+    """Whether greedy and seeded tokens are the same with async scheduling on and off (same engine),
+    8 prompts, and a digest of them (to compare runs: the same digest, the same tokens)."""
     gen = torch.Generator().manual_seed(7)
     vocab = llm.engine.source.config.vocab_size
     prompts = [torch.randint(0, vocab, (16 + 5 * i,), generator=gen).tolist() for i in range(8)]
@@ -143,7 +152,7 @@ def async_tokens_match(llm: LLM) -> bool:
         runs.append([o.token_ids for o in llm.generate(prompts, params)])
     llm.engine.async_scheduling = llm.engine.config.uses_async_scheduling
     blocks.enable_prefix_caching = caching
-    return runs[0] == runs[1]
+    return runs[0] == runs[1], hashlib.sha256(json.dumps(runs[0]).encode()).hexdigest()[:16]
 
 
 def forward_ms(runner, step, batch: int, args) -> float:
@@ -171,8 +180,8 @@ def run_mode(name: str, args) -> dict:
               max_num_batched_tokens=2048, max_model_len=args.context + 2 * (args.warmup + args.steps) + 32,
               num_kv_blocks=blocks, **MODES[name]())
     out = {"startup_s": time.perf_counter() - start, "describe": llm.engine.runner.compiled.describe(),
-           "async_scheduling": llm.engine.async_scheduling, "async_tokens_match": async_tokens_match(llm),
-           "points": []}
+           "async_scheduling": llm.engine.async_scheduling, "points": []}
+    out["async_tokens_match"], out["tokens_sha"] = async_tokens(llm)
     print(f"{name}: async and synchronous tokens {'match' if out['async_tokens_match'] else 'DIFFER'}", flush=True)
     for batch in args.batches:
         point = measure_batch(llm, batch, args)
@@ -217,13 +226,14 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["default", "O2"], choices=list(MODES))
     p.add_argument("--sampled", action="store_true",
                    help=f"also time the engine step with sampling {CHAT_SAMPLING} instead of greedy")
+    p.add_argument("--no-reference", action="store_true", help="time kiln's modes alone")
     p.add_argument("--reference-args", nargs=argparse.REMAINDER, default=[],
                    help="passed on to reference_decode.py (e.g. a smaller shape for a CPU smoke run)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     modes = {name: run_mode(name, args) for name in args.modes}
-    ref = reference(args)
+    ref = {} if args.no_reference else reference(args)
     cfg = load_source(args.model).config
     dtype = getattr(torch, args.dtype)
     elem = torch.empty(0, dtype=dtype).element_size()
@@ -246,6 +256,7 @@ def main() -> None:
               "floor": {"copy_bytes_per_s": floor.copy_bytes_per_s, "matmul_flops_per_s": floor.matmul_flops_per_s,
                         "weight_bytes": floor.weight_bytes},
               "modes": modes, "reference": ref if "error" in ref else {"per_batch": list(ref.values())},
+              "kiln_pdl": os.environ.get("KILN_PDL"),
               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.out:
         path = Path(args.out) / f"decode_vs_reference_{args.device}.json"
