@@ -55,10 +55,13 @@ class CudagraphPool:
     def session(self, collect: bool = True):
         """Around all captures of a start-up: one garbage collection before the first graph,
         none after (a collection during a capture could free memory a captured kernel uses;
-        one before each capture would cost a full heap walk, ~0.1 s with compilers loaded).
-        collect=False: no collection before (a capture while serving), none during either."""
+        one before each capture would cost a heap walk each). The collection is of the young
+        generations: what the warm-up runs left is there, while the start's imports and loads
+        went to the oldest unwalked (kiln.compile.gc_pause), and a full walk of them took
+        0.1-0.3 s on the GPU host. collect=False: no collection before (a capture while serving),
+        none during either."""
         if collect:
-            gc.collect()
+            gc.collect(1)
         was_enabled = gc.isenabled()
         gc.disable()
         try:
