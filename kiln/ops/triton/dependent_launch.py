@@ -37,8 +37,9 @@ def _setting() -> int:
 
 @functools.cache
 def _launch_args(device: torch.device, gemv: bool) -> dict:
-    capable = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    mode = _setting() if capable else OFF
+    mode = _setting()  # read (and checked) on every device
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        mode = OFF
     if not gemv and mode == PREFETCH:
         mode = WAIT
     return {"PDL": mode, "launch_pdl": mode != OFF}
