@@ -137,11 +137,38 @@ def _first_chunk(w_ptrs, x_ptrs, rows, ks, k_start, k_end, M, K, EVEN_K: tl.cons
 
 
 @triton.jit
-def _fma_step(acc, w, x, BLOCK_M: tl.constexpr):
-    if BLOCK_M == 1:
+def _accumulate(acc, w, x, BLOCK_M: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc plus one chunk's products: on tensor cores into y.T's tile (DOT), else multiply-adds
+    into the [BLOCK_M,] BLOCK_N x BLOCK_K tile that is summed over K after the loop."""
+    if DOT:
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+    elif BLOCK_M == 1:
         acc += w.to(tl.float32) * x.to(tl.float32)
     else:
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc
+
+
+@triton.jit
+def _multiply_range(acc, w_ptrs, x_ptrs, rows, ks, k_start, k_end, M, K, BLOCK_M: tl.constexpr,
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ACTIVATION: tl.constexpr, DOT: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """acc over the program's K range, chunk by chunk. PDL 2: the first chunk is peeled off the
+    loop to load its weights before the wait (the same sums in the same order)."""
+    loop_start = k_start
+    if PDL == 2:
+        w, x = _first_chunk(w_ptrs, x_ptrs, rows, ks, k_start, k_end, M, K, EVEN_K, PDL, ACTIVATION)
+        acc = _accumulate(acc, w, x, BLOCK_M, DOT, DOT_PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        loop_start += BLOCK_K
+    else:
+        _start_after_predecessor(PDL)
+    for k in range(loop_start, k_end, BLOCK_K):
+        w, x = _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K, ACTIVATION)
+        acc = _accumulate(acc, w, x, BLOCK_M, DOT, DOT_PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
     return acc
 
 
@@ -159,20 +186,8 @@ def gemv_fma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    loop_start = k_start
-    if PDL == 2:  # the first chunk peeled off the loop: the same sums in the same order
-        w, x = _first_chunk(w_ptrs, x_ptrs, rows, ks, k_start, k_end, M, K, EVEN_K, PDL, ACTIVATION)
-        acc = _fma_step(acc, w, x, BLOCK_M)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        loop_start += BLOCK_K
-    else:
-        _start_after_predecessor(PDL)
-    for k in range(loop_start, k_end, BLOCK_K):
-        w, x = _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K, ACTIVATION)
-        acc = _fma_step(acc, w, x, BLOCK_M)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    acc = _multiply_range(acc, w_ptrs, x_ptrs, rows, ks, k_start, k_end, M, K, BLOCK_M, BLOCK_K, EVEN_K,
+                          ACTIVATION, False, "", PDL)
     if BLOCK_M == 1:
         result = tl.sum(acc, axis=1)[None, :]
     else:
@@ -190,19 +205,7 @@ def gemv_dot_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
     pid_n, pid_k, rows, cols, ks, k_start, k_end, w_ptrs, x_ptrs = _tile_start(
         x_ptr, w_ptr, M, N, K, x_row_stride, w_row_stride, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y.T's tile
-    loop_start = k_start
-    if PDL == 2:
-        w, x = _first_chunk(w_ptrs, x_ptrs, rows, ks, k_start, k_end, M, K, EVEN_K, PDL, "")
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        loop_start += BLOCK_K
-    else:
-        _start_after_predecessor(PDL)
-    for k in range(loop_start, k_end, BLOCK_K):
-        w, x = _load_chunk(w_ptrs, x_ptrs, rows, ks, k, M, K, EVEN_K, "")
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    acc = _multiply_range(acc, w_ptrs, x_ptrs, rows, ks, k_start, k_end, M, K, BLOCK_M, BLOCK_K, EVEN_K,
+                          "", True, DOT_PRECISION, PDL)
     _store_result(acc, rows[None, :], cols[:, None], M, N, out_ptr, out_row_stride, ws_ptr, counter_ptr,
                   pid_n, pid_k, SPLIT_K)
