@@ -18,6 +18,7 @@ ever touches the scheduler. Each request's outputs come back on its own asyncio 
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import queue
@@ -75,10 +76,23 @@ class _Request:
             self.accepted.set_exception(error)
 
 
+def freeze_heap() -> None:
+    """Exempt every object alive now from the cyclic collector for good. A server's start-up leaves
+    a heap that lives as long as the process (the compilers, the model, their caches), and each full
+    collection while serving walked all of it with every stream stalled: 0.24-0.30 s after an -O2
+    start, 0.06-0.09 s after an eager one (SmolLM2 on the 2-core CPU; none after the freeze). The
+    young generations are collected first (nothing to walk there); the start-up's own cyclic garbage
+    in the old one (~31k objects, ~9 MiB after -O2) is kept, where a full collection would have
+    delayed ready by those 0.3 s."""
+    gc.collect(1)
+    gc.freeze()
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, timeline: StartupTimeline | None = None,
-                 source: ModelSource | None = None):
+                 source: ModelSource | None = None, freeze_heap_at_ready: bool = False):
         self.config = config
+        self.freeze_heap_at_ready = freeze_heap_at_ready
         self.timeline = timeline or StartupTimeline()
         self.source = source  # the model's, where the caller loaded it (else the engine thread does)
         self.engine: LLMEngine | None = None  # set by the engine thread once built
@@ -181,6 +195,8 @@ class AsyncEngine:
         except Exception as e:
             self._fail(e, on_failure, f"engine start-up failed in phase {self.timeline.current}")
             return
+        if self.freeze_heap_at_ready:
+            freeze_heap()
         try:
             self._serve()
         except EngineDead as e:
