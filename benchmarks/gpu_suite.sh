@@ -22,7 +22,7 @@ run() {
 # Parts, in the order they run; name some to run only those (a device call lasts at most
 # 10 minutes, and all of them together take longer: split them over two calls, e.g.
 # `bash benchmarks/gpu_suite.sh kernels graphs tiles` then `... engine cache bench`).
-# gemm, attention, attention-sweep, partition, prefix, prefix-steps, families, cache-nopyc, fresh, ladder, decode, pdl, reference, throughput, serving and tp (not in the default list):
+# gemm, attention, attention-sweep, partition, prefix, prefix-steps, families, cache-nopyc, fresh, ladder, decode, pdl, gc, reference, throughput, serving and tp (not in the default list):
 # Inductor's partitions under CUDA graphs, prefix caching's TTFT, the model families, the cache part without cached bytecode, a fresh
 # machine's start, kiln's decode beside the stock loop, that loop alone, offline throughput, online serving, and
 # the tensor-parallel comparison (2 GPUs).
@@ -75,6 +75,8 @@ for part in $parts; do
              done
              KILN_PDL=2 run python benchmarks/decode_vs_reference.py --modes "O2 inductor-pdl" --no-reference \
                  --batches 1 64 256 --out "$OUT/pdl-5-2-O2" ;;
+        # A full garbage collection after start-up, the heap as it is and frozen (kiln serve's), default and -O2.
+        gc) run python benchmarks/gc_pause_serving.py --device cuda --model llama-3-8b --out "$OUT" ;;
         # The stock torch.compile decode loop's step time (same shape), alone.
         reference) run python benchmarks/reference_decode.py --batches 1 8 64 256 --out "$OUT" ;;
         # Offline throughput: 1000 random prompts, 512 tokens in, 128 out, default and -O2, beside the floor.
@@ -97,7 +99,7 @@ for part in $parts; do
         bench) run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT" ;;
         # Needs 2 GPUs (nvidia-h200-x2): TP=1 against TP=2, with and without sequence parallelism.
         tp) run python benchmarks/tp_decode.py --out "$OUT" --modes graphs O2 O2+SP --batches 1 64 --timeout 150 ;;
-        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large attention attention-sweep partition prefix prefix-steps families engine dynamo cache cache-nopyc fresh decode pdl reference throughput serving bench tp" >&2; exit 2 ;;
+        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large attention attention-sweep partition prefix prefix-steps families engine dynamo cache cache-nopyc fresh decode pdl gc reference throughput serving bench tp" >&2; exit 2 ;;
     esac
 done
 exit $status
