@@ -81,10 +81,9 @@ def freeze_heap() -> None:
     a heap that lives as long as the process (the compilers, the model, their caches), and each full
     collection while serving walked all of it with every stream stalled: 0.21-0.30 s after an -O2
     start, 0.06-0.09 s after an eager one (SmolLM2 on the 2-core CPU, benchmarks/gc_pause_serving.py;
-    0.2 ms after the freeze). The
-    young generations are collected first (nothing to walk there); the start-up's own cyclic garbage
-    in the old one (~31k objects, ~9 MiB after -O2) is kept, where a full collection would have
-    delayed ready by those 0.3 s."""
+    0.2 ms after the freeze). The young generations are collected first (nothing to walk there); the
+    start-up's own cyclic garbage in the old one (~31k objects, ~9 MiB after -O2) is kept, where a
+    full collection would have delayed ready by those 0.3 s."""
     gc.collect(1)
     gc.freeze()
 
