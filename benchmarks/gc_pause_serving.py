@@ -22,7 +22,7 @@ CASE = """
 import gc, json, sys, time
 from kiln import LLM
 from kiln.compile.config import CompilationConfig
-from kiln.engine.async_engine import freeze_heap
+from kiln.compile.gc_pause import freeze_heap
 mode, freeze, model, device = sys.argv[1:5]
 llm = LLM(model, device=device, **({"compilation": CompilationConfig.level(2)} if mode == "O2" else {}))
 tracked = len(gc.get_objects())

@@ -18,7 +18,6 @@ ever touches the scheduler. Each request's outputs come back on its own asyncio 
 from __future__ import annotations
 
 import asyncio
-import gc
 import itertools
 import logging
 import queue
@@ -27,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from kiln.compile.gc_pause import freeze_heap
 from kiln.config import EngineConfig
 from kiln.engine.errors import EngineDead
 from kiln.engine.llm_engine import LLMEngine
@@ -74,18 +74,6 @@ class _Request:
             self.accepted.set_result(None)
         else:
             self.accepted.set_exception(error)
-
-
-def freeze_heap() -> None:
-    """Exempt every object alive now from the cyclic collector for good. A server's start-up leaves
-    a heap that lives as long as the process (the compilers, the model, their caches), and each full
-    collection while serving walked all of it with every stream stalled: 0.21-0.30 s after an -O2
-    start, 0.06-0.09 s after an eager one (SmolLM2 on the 2-core CPU, benchmarks/gc_pause_serving.py;
-    0.2 ms after the freeze). The young generations are collected first (nothing to walk there); the
-    start-up's own cyclic garbage in the old one (~31k objects, ~9 MiB after -O2) is kept, where a
-    full collection would have delayed ready by those 0.3 s."""
-    gc.collect(1)
-    gc.freeze()
 
 
 class AsyncEngine:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from kiln.compile.gc_pause import freeze_heap
 from kiln.config import EngineConfig
 from kiln.distributed import TensorParallelState, building_for
 from kiln.distributed.launcher import Workers, join_as_rank0
@@ -158,6 +159,7 @@ def _serve_steps(state: TensorParallelState, conn, config: EngineConfig) -> None
     """A worker's life: build this rank's runner, report its KV-cache size, run steps until None."""
     with building_for(state):
         runner = ModelRunner(config, load_source(config.model), StartupTimeline())
+    freeze_heap()  # a full collection in one rank would stall every rank at the next all-reduce
     conn.send(runner.num_blocks)
     while (request := conn.recv()) is not None:
         runner.execute(request.batch())
