@@ -40,7 +40,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None,
               freeze_heap_at_ready: bool = False) -> FastAPI:
     """The app; its engine is built in a background thread when the app starts (lifespan), from
     `source` where the caller loaded the model already. freeze_heap_at_ready: a process that only
-    serves (kiln serve) exempts its start-up heap from garbage collection (async_engine.freeze_heap)."""
+    serves (kiln serve) exempts its start-up heap from garbage collection (gc_pause.freeze_heap)."""
     engine = AsyncEngine(config, timeline, source, freeze_heap_at_ready)
     model_name = served_model_name or config.model or DEFAULT_MODEL
     metrics = ServerMetrics(engine)
