@@ -68,10 +68,11 @@ for part in $parts; do
         # Programmatic dependent launch (kiln.ops.triton.dependent_launch): the default mode's decode
         # with KILN_PDL 0, 2, 1, 0 (one process each, tokens digests compared), then -O2 with
         # Inductor's kernels dependent too (about 5 minutes).
-        pdl) for spec in "1 0" "2 2" "3 1" "4 0"; do
-                 set -- $spec
-                 KILN_PDL=$2 run python benchmarks/decode_vs_reference.py --modes default --no-reference \
-                     --batches 1 64 256 --out "$OUT/pdl-$1-$2"
+        pdl) i=0
+             for mode in 0 2 1 0; do
+                 i=$((i + 1))
+                 KILN_PDL=$mode run python benchmarks/decode_vs_reference.py --modes default --no-reference \
+                     --batches 1 64 256 --out "$OUT/pdl-$i-$mode"
              done
              KILN_PDL=2 run python benchmarks/decode_vs_reference.py --modes "O2 inductor-pdl" --no-reference \
                  --batches 1 64 256 --out "$OUT/pdl-5-2-O2" ;;
