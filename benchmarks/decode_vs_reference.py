@@ -15,6 +15,9 @@ sequences of `context` random tokens are prefilled, then decoded:
     sync_engine_step_ms  the same with async scheduling off: each step waits for its tokens
     *_median_ms, *_max_ms  the median and the slowest of those steps (wall time between step
                          returns): a one-off stall moves the mean, not the median
+    *_full_collections   the garbage collector's full (oldest-generation) collections during
+                         those steps, and *_full_collection_ms their time: the stall the engine's
+                         frozen start-up heap (kiln.compile.gc_pause.freeze_heap) keeps short
     sampled_engine_step_ms  (--sampled) engine_step_ms with chat-style sampling instead of greedy
                          (temperature 0.8, top-k 50, top-p 0.95, unseeded): what sampling after
                          the graph's replay adds to a step
@@ -76,6 +79,27 @@ def sync(device: str) -> None:
 CHAT_SAMPLING = dict(temperature=0.8, top_k=50, top_p=0.95)
 
 
+class FullCollections:
+    """The oldest generation's collections while it is entered, and their time."""
+
+    def __enter__(self):
+        self.count, self.seconds, self._start = 0, 0.0, None
+        gc.callbacks.append(self._record)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._record)
+
+    def _record(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._start
+
+
 def measure_batch(llm: LLM, batch: int, args, sampling: dict | None = None) -> dict:
     """The engine step (both ways) and forward at `batch` greedy sequences; with `sampling`, only
     the overlapped engine step of sequences that sample so."""
@@ -109,16 +133,19 @@ def measure_batch(llm: LLM, batch: int, args, sampling: dict | None = None) -> d
             sync(args.device)
             start = time.perf_counter()
             ends = []
-            for _ in range(args.steps):
-                engine.step()
-                ends.append(time.perf_counter())
-            sync(args.device)
+            with FullCollections() as collections:
+                for _ in range(args.steps):
+                    engine.step()
+                    ends.append(time.perf_counter())
+                sync(args.device)
             result[key] = (time.perf_counter() - start) / args.steps * 1e3
             # A one-off stall (a collection, a host hiccup) moves the mean of 30 steps by 1/30 of
             # itself: the median and the slowest step say whether one did.
             intervals = [1e3 * (b - a) for a, b in zip([start] + ends, ends)]
             result[key.replace("_ms", "_median_ms")] = statistics.median(intervals)
             result[key.replace("_ms", "_max_ms")] = max(intervals)
+            result[key.replace("_ms", "_full_collections")] = collections.count
+            result[key.replace("_ms", "_full_collection_ms")] = collections.seconds * 1e3
             engine.drain()
         if not sampling:
             result["mean_context"] = statistics.mean(s.num_computed_tokens for s in seqs) - args.steps / 2
@@ -189,7 +216,8 @@ def run_mode(name: str, args) -> dict:
             point.update(measure_batch(llm, batch, args, CHAT_SAMPLING))
         out["points"].append(point)
         print(f"{name:8s} b{batch:<4d} engine step {point['engine_step_ms']:6.2f} ms (median "
-              f"{point['engine_step_median_ms']:6.2f}, slowest {point['engine_step_max_ms']:6.2f}; sync "
+              f"{point['engine_step_median_ms']:6.2f}, slowest {point['engine_step_max_ms']:6.2f}, full collections "
+              f"{point['engine_step_full_collections']}; sync "
               f"{point['sync_engine_step_ms']:6.2f}"
               + (f", sampled {point['sampled_engine_step_ms']:6.2f}" if args.sampled else "")
               + f"), forward+logits {point['forward_ms']:6.2f} ms", flush=True)

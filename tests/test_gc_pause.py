@@ -1,21 +1,25 @@
 """kiln.compile.gc_pause: the collector off while a start-up imports and loads, on every
-thread's span, and what those spans allocated handed to the oldest generation unwalked; a serving
-process's heap frozen once it is ready."""
+thread's span, and what those spans allocated handed to the oldest generation unwalked; an
+engine's start-up heap frozen once it is ready, until it is shut down."""
 
 import gc
 import subprocess
 import sys
 import threading
+import weakref
 
 import pytest
 
-from kiln.compile.gc_pause import collector_paused
+from kiln.compile.gc_pause import collector_paused, thaw_heap
+from kiln.config import EngineConfig
+from kiln.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture
 def collector_on():
     was = gc.isenabled()
     gc.enable()
+    thaw_heap()  # an engine built earlier in this process (a session fixture's) froze the heap
     yield
     (gc.enable if was else gc.disable)()
 
@@ -86,8 +90,35 @@ def test_importing_kiln_leaves_the_collector_as_it_found_it():
 
 
 def test_freeze_heap_exempts_what_is_alive_and_leaves_the_collector_on():
-    """A serving process's start-up heap, frozen: the next full collection walks none of it."""
+    """A built engine's start-up heap, frozen: the next full collection walks none of it."""
     code = ("import gc; from kiln.compile.gc_pause import freeze_heap; before = gc.get_freeze_count(); "
             "freeze_heap(); print(gc.isenabled(), gc.get_freeze_count() > before + 1000, gc.collect() == 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "True", "True"]
+
+
+def _engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(model="tiny-llama", device="cpu", dtype="float32"))
+
+
+def test_an_engine_freezes_its_start_up_heap_once_ready_and_thaws_it_at_shutdown(collector_on):
+    engine = _engine()
+    assert gc.get_freeze_count() > 1000
+    assert not any(o is engine for o in gc.get_objects())  # no collection walks it while it serves
+    engine.shutdown()
+    assert gc.get_freeze_count() == 0
+
+
+def test_an_engine_dropped_without_shutdown_is_freed_when_the_next_is_built(collector_on):
+    """Its heap was frozen with it inside: the next build thaws it and collects, rather than freezing
+    the dropped engine's weights in again for as long as the new one lives."""
+    dropped = _engine()
+    dropped.loop = dropped  # garbage only a collection can free, as a compiled forward's cycles are
+    gone = weakref.ref(dropped)
+    del dropped
+    assert gone() is not None  # frozen: not even a full collection frees it
+    gc.collect()
+    assert gone() is not None
+    engine = _engine()
+    assert gone() is None
+    engine.shutdown()

@@ -163,39 +163,3 @@ def test_the_shutdown_deadline_runs_from_stop_not_from_the_end_of_the_step(monke
     stopped = asyncio.run(main())
     assert [t for t in starts if t > stopped] == [], "a step started after the deadline had passed"
 
-
-@pytest.mark.parametrize("freeze", [False, True])
-def test_a_serving_process_freezes_its_start_up_heap_once_ready(freeze, monkeypatch):
-    """kiln serve's engine exempts what start-up left from garbage collection once the engine is built
-    (a full collection while serving walked it all); an engine in someone else's process does not."""
-    from kiln.engine import async_engine
-
-    holder, frozen = {}, []
-    monkeypatch.setattr(async_engine, "freeze_heap", lambda: frozen.append(holder["engine"].engine is not None))
-
-    async def main():
-        engine = holder["engine"] = AsyncEngine(_config(), freeze_heap_at_ready=freeze)
-        engine.start()
-        while not engine.ready:
-            assert engine.failure is None
-            await asyncio.sleep(0.01)
-        await engine.shutdown()
-
-    asyncio.run(main())
-    assert frozen == ([True] if freeze else [])
-
-
-def test_kiln_serve_asks_for_the_frozen_heap(monkeypatch):
-    from kiln.server import run
-
-    seen = {}
-
-    def fake_build_app(*args, **kwargs):
-        seen.update(kwargs)
-        raise RuntimeError("stop here")
-
-    monkeypatch.setattr(run, "build_app", fake_build_app)
-    monkeypatch.setattr(run, "start_compile_workers_ahead", lambda config, source: None)
-    with pytest.raises(RuntimeError, match="stop here"):
-        run.serve(_config())
-    assert seen["freeze_heap_at_ready"] is True

@@ -218,8 +218,11 @@ class Capture:
         self.code_ready = None
         start = time.perf_counter()
         # A trace makes many short-lived objects; each full collection would also walk the
-        # whole heap the process had before (torch, the model): set that aside meanwhile.
-        gc.freeze()
+        # whole heap the process had before (torch, the model): set that aside meanwhile. Where
+        # it is frozen already (a built engine's, gc_pause.freeze_heap) it stays so after.
+        set_aside = gc.get_freeze_count() == 0
+        if set_aside:
+            gc.freeze()
         try:
             # Only the marked dims may be dynamic: Dynamo's automatic dynamic would otherwise
             # turn values that differed in earlier compiles of the same code (another model's
@@ -233,7 +236,8 @@ class Capture:
                 raise
             raise explained from e
         finally:
-            gc.unfreeze()
+            if set_aside:
+                gc.unfreeze()
             hook.remove()
         self.captured = True
         # Until Dynamo handed over the new bytecode: the first run of the graph is not compiling.

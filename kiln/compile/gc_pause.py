@@ -12,8 +12,8 @@ the next full collection, which walks the whole heap once (~0.3 s there) wheneve
 next needs one. Where something else has frozen objects (kiln.compile.capture loads pieces
 inside its own freeze during a trace; an application may freeze its heap before forking) that
 step is skipped, since unfreezing would hand those back to the collector. Never around a trace
-or a compile: those make garbage. Once a process only serves, `freeze_heap` exempts the heap its
-start left from collection for good.
+or a compile: those make garbage. Once an engine is built, `freeze_heap` exempts the heap its
+start left from collection until the engine is shut down (`thaw_heap`).
 """
 
 from __future__ import annotations
@@ -48,14 +48,31 @@ def collector_paused():
                     gc.enable()
 
 
+_frozen_by_engine = False  # whether freeze_heap froze what is frozen now (an application may freeze its own)
+
+
 def freeze_heap() -> None:
-    """Exempt every object alive now from the cyclic collector for good, in a process that serves
-    from now on (kiln serve, a tensor-parallel worker). Its start-up left a heap that lives as long
-    as the process (the compilers, the model, their caches), and each full collection while serving
-    walked all of it with every stream stalled: 0.21-0.30 s after an -O2 start, 0.06-0.09 s after an
-    eager one (SmolLM2 on the 2-core CPU, benchmarks/gc_pause_serving.py; 0.2 ms after the freeze).
-    The young generations are collected first (nothing to walk there); the start-up's own cyclic
-    garbage in the old one (~31k objects, ~9 MiB after -O2) is kept, where a full collection would
-    have delayed ready by those 0.3 s."""
+    """Exempt every object alive now from the cyclic collector, once an engine is built (every kiln
+    engine, offline or serving, and each tensor-parallel worker). Its start-up left a heap that lives
+    as long as the engine (the compilers, the model, their caches), and each full collection while
+    it ran walked all of it with every stream stalled: 0.21-0.30 s after an -O2 start, 0.06-0.09 s
+    after an eager one (SmolLM2 on the 2-core CPU, benchmarks/gc_pause_serving.py; 0.2 ms after the
+    freeze), one such step in 30 at batch 256 on the H100. The young generations are collected first
+    (nothing to walk there); the start-up's own cyclic garbage in the old one (~31k objects, ~9 MiB
+    after -O2) is kept until `thaw_heap`, where a full collection would have delayed ready by 0.3 s."""
+    global _frozen_by_engine
     gc.collect(1)
     gc.freeze()
+    _frozen_by_engine = True
+
+
+def thaw_heap() -> bool:
+    """Hand what `freeze_heap` froze back to the collector (an engine shut down, or another being
+    built: an engine dropped without shutdown is garbage that only a collection can free); whether
+    there was any."""
+    global _frozen_by_engine
+    if not _frozen_by_engine:
+        return False
+    gc.unfreeze()
+    _frozen_by_engine = False
+    return True

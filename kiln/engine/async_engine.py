@@ -26,7 +26,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from kiln.compile.gc_pause import freeze_heap
 from kiln.config import EngineConfig
 from kiln.engine.errors import EngineDead
 from kiln.engine.llm_engine import LLMEngine
@@ -78,9 +77,8 @@ class _Request:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, timeline: StartupTimeline | None = None,
-                 source: ModelSource | None = None, freeze_heap_at_ready: bool = False):
+                 source: ModelSource | None = None):
         self.config = config
-        self.freeze_heap_at_ready = freeze_heap_at_ready
         self.timeline = timeline or StartupTimeline()
         self.source = source  # the model's, where the caller loaded it (else the engine thread does)
         self.engine: LLMEngine | None = None  # set by the engine thread once built
@@ -183,8 +181,6 @@ class AsyncEngine:
         except Exception as e:
             self._fail(e, on_failure, f"engine start-up failed in phase {self.timeline.current}")
             return
-        if self.freeze_heap_at_ready:
-            freeze_heap()
         try:
             self._serve()
         except EngineDead as e:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import operator
 import time
 
-from kiln.compile.gc_pause import collector_paused
+from kiln.compile.gc_pause import collector_paused, freeze_heap, thaw_heap
 from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.cpu_threads import choose_threads
@@ -37,6 +38,10 @@ class LLMEngine:
             config = dataclasses.replace(config, cpu_threads=threads)
         self.config = config
         self.timeline = timeline or StartupTimeline()
+        if thaw_heap():
+            # An earlier engine froze the heap; one dropped without shutdown is garbage in it, whose
+            # device memory only a collection frees: before this one loads its weights.
+            gc.collect()
         with self.timeline.phase("checkpoint"), collector_paused():
             self.source = source or load_source(config.model)
             self.tokenizer = self.source.tokenizer
@@ -67,6 +72,8 @@ class LLMEngine:
         self.async_scheduling = config.uses_async_scheduling
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step whose tokens come next
         self._ids = itertools.count()
+        # What start-up left lives as long as this engine: no full collection walks it while it runs.
+        freeze_heap()
         self.timeline.mark_ready()
 
     def _max_model_len(self) -> int:
@@ -151,6 +158,7 @@ class LLMEngine:
         """Stop the tensor-parallel worker processes, if any (they also stop at exit), and free the
         device memory the engine holds (weights, KV cache, CUDA graphs) at once, so that the process
         can build another engine. Requests not finished are dropped; the engine takes no more."""
+        thaw_heap()  # the runner's shutdown collects the cycles its compiled forward leaves
         self.runner.shutdown()
         self._in_flight = None
         self.is_shut_down = True

@@ -36,12 +36,10 @@ from kiln.server.serving import OpenAIServing
 def build_app(config: EngineConfig, served_model_name: str | None = None,
               timeline: StartupTimeline | None = None,
               on_failure: Callable[[BaseException], None] | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, source: ModelSource | None = None,
-              freeze_heap_at_ready: bool = False) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, source: ModelSource | None = None) -> FastAPI:
     """The app; its engine is built in a background thread when the app starts (lifespan), from
-    `source` where the caller loaded the model already. freeze_heap_at_ready: a process that only
-    serves (kiln serve) exempts its start-up heap from garbage collection (gc_pause.freeze_heap)."""
-    engine = AsyncEngine(config, timeline, source, freeze_heap_at_ready)
+    `source` where the caller loaded the model already."""
+    engine = AsyncEngine(config, timeline, source)
     model_name = served_model_name or config.model or DEFAULT_MODEL
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(engine, model_name, metrics)

@@ -43,8 +43,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
         start_compile_workers_ahead(config, source)
     except Exception:  # only a head start: the engine's own start does both again, and says why they fail
         source = None
-    app = build_app(config, served_model_name, timeline, exit_on_failure, source=source, freeze_heap_at_ready=True,
-                    **limit)
+    app = build_app(config, served_model_name, timeline, exit_on_failure, source=source, **limit)
     engine = app.state.engine
 
     class _Server(uvicorn.Server):
