@@ -1,10 +1,11 @@
-"""What a full garbage collection costs a serving process after start-up, with and without the
-heap frozen at ready (kiln serve's `freeze_heap`). A benchmark, not a test.
+"""What a full garbage collection costs an engine's process after start-up, with the heap frozen
+at ready (every engine's `freeze_heap`) and thawed again (as it was before that). A benchmark,
+not a test.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/gc_pause_serving.py --out benchmarks/results
 
 Each case is a fresh process: build the engine (`LLM`, as `kiln serve`'s engine thread does),
-freeze or not, then time `gc.collect()` twice. While serving, every stream waits out such a
+thaw its heap or not, then time `gc.collect()` twice. While serving, every stream waits out such a
 collection (the collector holds the GIL). JSON to --out/gc_pause_serving_<device>.json.
 """
 
@@ -22,18 +23,18 @@ CASE = """
 import gc, json, sys, time
 from kiln import LLM
 from kiln.compile.config import CompilationConfig
-from kiln.compile.gc_pause import freeze_heap
-mode, freeze, model, device = sys.argv[1:5]
+from kiln.compile.gc_pause import thaw_heap
+mode, heap, model, device = sys.argv[1:5]
 llm = LLM(model, device=device, **({"compilation": CompilationConfig.level(2)} if mode == "O2" else {}))
-tracked = len(gc.get_objects())
-if freeze == "frozen":
-    freeze_heap()
+if heap == "thawed":
+    thaw_heap()
+tracked = len(gc.get_objects())  # what a full collection walks: frozen objects are not among them
 times, found = [], []
 for _ in range(2):
     start = time.perf_counter()
     found.append(gc.collect())
     times.append(time.perf_counter() - start)
-print(json.dumps({"mode": mode, "heap": freeze, "tracked_objects": tracked, "frozen": gc.get_freeze_count(),
+print(json.dumps({"mode": mode, "heap": heap, "tracked_objects": tracked, "frozen": gc.get_freeze_count(),
                   "full_collection_s": times, "garbage_found": found}))
 """
 
@@ -48,7 +49,7 @@ def main() -> None:
     env_root = str(Path(__file__).resolve().parent.parent)
     cases = []
     for mode in args.modes:
-        for heap in ("as-is", "frozen"):
+        for heap in ("thawed", "frozen"):
             done = subprocess.run([sys.executable, "-c", CASE, mode, heap, args.model,
                                    args.device], capture_output=True, text=True, cwd=env_root,
                                   env={**os.environ, "KILN_LOGGING_LEVEL": "WARNING"})
