@@ -76,7 +76,7 @@ for part in $parts; do
              done
              KILN_PDL=2 run python benchmarks/decode_vs_reference.py --modes "O2 inductor-pdl" --no-reference \
                  --batches 1 64 256 --out "$OUT/pdl-5-2-O2" ;;
-        # A full garbage collection after start-up, the heap as it is and frozen (kiln serve's), default and -O2.
+        # A full garbage collection after start-up, the heap frozen (every engine freezes it at ready) and thawed, default and -O2.
         gc) run python benchmarks/gc_pause_serving.py --device cuda --model llama-3-8b --out "$OUT" ;;
         # The stock torch.compile decode loop's step time (same shape), alone.
         reference) run python benchmarks/reference_decode.py --batches 1 8 64 256 --out "$OUT" ;;
