@@ -162,4 +162,3 @@ def test_the_shutdown_deadline_runs_from_stop_not_from_the_end_of_the_step(monke
 
     stopped = asyncio.run(main())
     assert [t for t in starts if t > stopped] == [], "a step started after the deadline had passed"
-
