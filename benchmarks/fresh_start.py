@@ -19,13 +19,14 @@ Bytecode is cached under a prefix, as on a pip install, primed by one untimed im
 --profile: each start under cProfile, its stats written to --out and its top functions printed.
 
 For each start: engine_ready_s (the engine's own timeline, weights included), process_ready_s
-(process spawned to engine ready: imports too), compile_phase_s (dynamo + split + inductor +
-cache_load), capture_s (CUDA graphs; of it, capture_warm_up_runs taking capture_warm_up_s: the
-ordinary runs before the first capture of each compiled code), triton_compiles (kernels Triton
-compiled in the process), inductor_compiles, dynamo_graphs, compile_workers_warm_s and
-compile_workers_jobs_s (a cold start with compile workers: seconds from their spawn until the
-last was warm, and until the pieces were handed to them; 0 without workers), kv_blocks (what the
-KV cache got: on a GPU, what the memory profile left). JSON:
+(process spawned to engine ready: imports too), gaps_s (the set-up between the timeline's named
+phases, by the phase that followed: where its "other" went), compile_phase_s (dynamo + split +
+inductor + cache_load), capture_s (CUDA graphs; of it, capture_warm_up_runs taking
+capture_warm_up_s: the ordinary runs before the first capture of each compiled code),
+triton_compiles (kernels Triton compiled in the process), inductor_compiles, dynamo_graphs,
+compile_workers_warm_s and compile_workers_jobs_s (a cold start with compile workers: seconds
+from their spawn until the last was warm, and until the pieces were handed to them; 0 without
+workers), kv_blocks (what the KV cache got: on a GPU, what the memory profile left). JSON:
 --out/fresh_start_<device>.json.
 
 Most of a start is Python on one core, and the GPU machine's hosts differ: the same start took
@@ -80,6 +81,7 @@ def child(args: argparse.Namespace) -> None:
     stats = engine.runner.compiled.stats
     print(json.dumps({
         "ready_wall": ready, "engine_ready_s": engine.timeline.ready_seconds, "phases_s": phases,
+        "gaps_s": engine.timeline.gaps,
         "compile_phase_s": sum(phases.get(p, 0.0) for p in COMPILE_PHASES), "capture_s": phases.get("cudagraphs", 0.0),
         "capture_warm_up_runs": engine.runner.cudagraphs.stats["warm_up_runs"],
         "capture_warm_up_s": engine.runner.cudagraphs.stats["warm_up_s"],

@@ -19,21 +19,39 @@ class StartupTimeline:
         self.current: str | None = "starting"
         self.ready = False
         self.ready_seconds: float | None = None  # from construction to ready
+        # The unnamed set-up before each phase (and before ready), by what came next: where
+        # "other" went. It can exceed "other", which leaves out phases recorded apart (`add`).
+        self.gaps: dict[str, float] = {}
+        self._last_end = self.started
+        self._depth = 0  # phases open now: a gap counts only between outermost ones
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def phase(self, name: str, record: bool = True):
         """Mark `name` as the current phase; record its seconds unless its parts are added apart."""
+        start = time.perf_counter()
         with self._lock:
             self.current = name
-        start = time.perf_counter()
+            if self._depth == 0:
+                self._gap_until(start, f"before {name}")
+            self._depth += 1
         try:
             yield
         finally:
-            seconds = time.perf_counter() - start
+            end = time.perf_counter()
+            seconds = end - start
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._last_end = end
             if record:
                 self.add(name, seconds)
             logger.info("start-up phase %s took %.2f s", name, seconds)
+
+    def _gap_until(self, now: float, label: str) -> None:
+        gap = now - self._last_end
+        if gap > 0:
+            self.gaps[label] = self.gaps.get(label, 0.0) + gap
 
     def add(self, name: str, seconds: float) -> None:
         """Record a phase measured elsewhere (e.g. compile time split out of a first call)."""
@@ -44,6 +62,7 @@ class StartupTimeline:
         with self._lock:
             self.current, self.ready = "ready", True
             self.ready_seconds = self.total_seconds
+            self._gap_until(self.started + self.ready_seconds, "before ready")
             # The set-up between the named phases, so that the phases add up to the start.
             rest = self.ready_seconds - sum(self.phases.values())
             if rest > 0:
