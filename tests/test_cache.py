@@ -30,8 +30,6 @@ from kiln.compile.config import CompilationConfig
 from kiln.tools import cache_cli
 
 HERE = Path(__file__).resolve().parent
-# A warm start's compile phases: the loads, and the first calls' bookkeeping beside them (no Dynamo, no Inductor).
-WARM_PHASES = {"cache_load", "compile_calls"}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +80,7 @@ def test_second_process_starts_warm_without_dynamo_or_inductor(filled):
     assert out["key"] == key
     assert stats["inductor_compiles"] == 0 and stats["graphs_seen"] == 0  # neither Inductor nor Dynamo ran
     assert stats["pieces_loaded"] == 3 and stats["cache_hits"] == 3 and stats["cache_misses"] == 0
-    assert set(out["phases"]) == WARM_PHASES
+    assert set(out["phases"]) - {"compile_calls"} == {"cache_load"}  # no Dynamo, no Inductor
     assert out["max_error"] <= 1e-4
     assert sorted(p.name for p in (root / key / "inductor").rglob("*.so")) == built  # no C++ build either
     assert "Loaded the compiled forward from compile cache entry" in run.stderr
@@ -94,7 +92,7 @@ def test_a_warm_start_with_the_preload_loads_every_piece_and_compiles_nothing(fi
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
     stats, preload = out["stats"], out["preload"]
-    assert out["key"] == key and set(out["phases"]) == WARM_PHASES
+    assert out["key"] == key and set(out["phases"]) - {"compile_calls"} == {"cache_load"}
     assert stats["inductor_compiles"] == 0 and stats["graphs_seen"] == 0 and stats["pieces_loaded"] == 3
     assert preload is not None and not preload["errors"] and preload["parts"]["torch_key"] > 0
     assert "preload_wait" in stats["warm_phases_s"] and "background.imports" in stats["warm_phases_s"]

@@ -109,16 +109,24 @@ def test_an_engine_freezes_its_start_up_heap_once_ready_and_thaws_it_at_shutdown
     assert gc.get_freeze_count() == 0
 
 
-def test_an_engine_dropped_without_shutdown_is_freed_when_the_next_is_built(collector_on):
-    """Its heap was frozen with it inside: the next build thaws it and collects, rather than freezing
-    the dropped engine's weights in again for as long as the new one lives."""
+def test_an_engine_dropped_without_shutdown_is_freed_before_the_next_loads(collector_on, monkeypatch):
+    """Its heap was frozen with it inside: the next build thaws it and collects before it loads its
+    own weights, rather than freezing the dropped engine in again for as long as the new one lives."""
+    from kiln.engine import llm_engine
+
     dropped = _engine()
-    dropped.loop = dropped  # garbage only a collection can free, as a compiled forward's cycles are
+    dropped.loop = dropped  # garbage only a collection can free, as a compiled engine is
     gone = weakref.ref(dropped)
     del dropped
     assert gone() is not None  # frozen: not even a full collection frees it
     gc.collect()
     assert gone() is not None
-    engine = _engine()
-    assert gone() is None
+    freed_before_loading = []
+    real_load = llm_engine.load_source
+    monkeypatch.setattr(llm_engine, "load_source", lambda name: freed_before_loading.append(gone() is None)
+                        or real_load(name))
+    with collector_paused():  # as a start's loads are: only the build's own collection can free it
+        engine = _engine()
+    assert freed_before_loading == [True]
     engine.shutdown()
+

@@ -1,6 +1,7 @@
 """AsyncEngine in-process, on the tiny random Llama: the engine thread, aborts, shutdown."""
 
 import asyncio
+import gc
 
 import pytest
 
@@ -162,3 +163,16 @@ def test_the_shutdown_deadline_runs_from_stop_not_from_the_end_of_the_step(monke
 
     stopped = asyncio.run(main())
     assert [t for t in starts if t > stopped] == [], "a step started after the deadline had passed"
+
+
+def test_an_engine_that_stopped_serving_leaves_the_heap_thawed():
+    """Frozen while it serves; a process that goes on once it stopped (tests, an application that
+    embeds the app) gets the engine's memory back at the next collection."""
+    async def main():
+        engine = await _started(_config())
+        assert gc.get_freeze_count() > 0
+        await engine.shutdown()
+        return engine
+
+    stopped = asyncio.run(main())  # still referenced: its engine's own finalizer cannot be what thawed
+    assert stopped.engine is not None and gc.get_freeze_count() == 0

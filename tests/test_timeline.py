@@ -3,7 +3,6 @@ that followed it (gaps)."""
 
 import pytest
 
-from kiln.engine import timeline as timeline_module
 from kiln.engine.timeline import StartupTimeline
 
 
@@ -15,15 +14,9 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
-def clock(monkeypatch):
-    fake = Clock()
-    monkeypatch.setattr(timeline_module.time, "perf_counter", fake)
-    return fake
-
-
-def test_the_set_up_between_phases_is_placed_by_the_phase_after_it(clock):
-    t = StartupTimeline()
+def test_the_set_up_between_phases_is_placed_by_the_phase_after_it():
+    clock = Clock()
+    t = StartupTimeline(clock)
     clock.now += 1.0  # set-up before weights
     with t.phase("weights"):
         clock.now += 2.0

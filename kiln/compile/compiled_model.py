@@ -48,6 +48,7 @@ class CompiledModel:
         self.model, self.config, self.max_num_batched_tokens = model, config, max_num_batched_tokens
         self.monitor = CompileMonitor()
         self.preload_wait_s = self._join_preload(cache)
+        self.started_warm = False  # the first call loaded the forward from the compile cache
         self.split_ops: list[SplitOp] = effective_split_ops(config.splitting_ops)
         check_split_ops(self.split_ops)
         self.dims = dynamic_arg_dims(model)
@@ -159,6 +160,7 @@ class CompiledModel:
         for name, seconds in entry.timings.items():  # the finer parts the entry measured
             self.monitor.warm_phase_add(name, seconds)
         self.monitor.warm_start_done(entry.key, time.perf_counter() - start)
+        self.started_warm = True
         if self.cache.workers is not None:  # started for a cold start that another process made warm
             self.cache.workers.close()
             self.cache.workers = None

@@ -49,6 +49,7 @@ def collector_paused():
 
 
 _frozen_by_engine = False  # whether freeze_heap froze what is frozen now (an application may freeze its own)
+_freeze_lock = threading.Lock()  # an engine may be built on one thread while another is shut down
 
 
 def freeze_heap() -> None:
@@ -62,18 +63,21 @@ def freeze_heap() -> None:
     (~31k objects, ~9 MiB after -O2) is kept until `thaw_heap`, where a full collection would have
     delayed ready by 0.3 s."""
     global _frozen_by_engine
-    gc.collect(1)
-    gc.freeze()
-    _frozen_by_engine = True
+    with _freeze_lock:
+        gc.collect(1)
+        gc.freeze()
+        _frozen_by_engine = True
 
 
 def thaw_heap() -> bool:
-    """Hand what `freeze_heap` froze back to the collector (an engine shut down, or another being
-    built: an engine dropped without shutdown is garbage that only a collection can free); whether
-    there was any."""
+    """Hand what `freeze_heap` froze back to the collector (an engine shut down, dropped or
+    stopped serving, or another being built: a dropped engine's cycles are garbage that only a
+    collection can free); whether there was any. `gc.unfreeze` is all or nothing: objects an
+    application froze itself before the engine's freeze are handed back too."""
     global _frozen_by_engine
-    if not _frozen_by_engine:
-        return False
-    gc.unfreeze()
-    _frozen_by_engine = False
-    return True
+    with _freeze_lock:
+        if not _frozen_by_engine:
+            return False
+        gc.unfreeze()
+        _frozen_by_engine = False
+        return True

@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from kiln.compile.gc_pause import thaw_heap
 from kiln.config import EngineConfig
 from kiln.engine.errors import EngineDead
 from kiln.engine.llm_engine import LLMEngine
@@ -188,6 +189,8 @@ class AsyncEngine:
             self.engine.shutdown()  # the ranks left, which cannot run without the lost one
         except Exception as e:  # a bug in this loop: better a dead server than hung requests
             self._fail(e, on_failure, "the engine loop failed")
+        finally:
+            thaw_heap()  # served its last: a process that goes on gets the engine's memory back
 
     def _serve(self) -> None:
         self._publish_stats()

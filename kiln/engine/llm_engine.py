@@ -73,6 +73,9 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step whose tokens come next
         self._ids = itertools.count()
         # What start-up left lives as long as this engine: no full collection walks it while it runs.
+        # So `del llm; gc.collect()` may not free it: the start's own cyclic garbage, frozen too, can
+        # hold this object (torch.fx's wrap() leaves its frame in a cycle, and that frame's callers'
+        # frames, ours among them, with it); shutdown() or the next build does.
         freeze_heap()
         self.timeline.mark_ready()
 

@@ -124,18 +124,18 @@ def _make_ready(compiled: CompiledModel, timeline: StartupTimeline, counts: list
                                     torch.zeros(n, dtype=torch.long, device=dev)),
                          context=lambda n: set_forward_context(warm_up_metadata(n, dev), {}), counts=counts)
     wall = time.perf_counter() - start
-    stats = compiled.stats
+    times = compiled.monitor.times
     # Only what ran: a warm start records cache_load, a cold one dynamo, split (the backend's
     # own work: splitting, piece inputs, dedup, the cache key) and inductor.
-    parts = (("cache_load", stats["load_s"]), ("dynamo", stats["dynamo_s"]), ("split", stats["split_s"]),
-             ("inductor", stats["compile_s"]))
+    parts = (("cache_load", times.load_s), ("dynamo", times.dynamo_s), ("split", times.split_s),
+             ("inductor", times.compile_s))
     for phase, seconds in parts:
         if seconds > 0:
             timeline.add(phase, seconds)
     # The rest of those calls (the forward's runs themselves, a kernel's first launch loading its
-    # binary, waiting on compile workers) would otherwise hide in "other". cache_load counts the
-    # preload's wait, which came before them (CompiledModel's constructor).
-    rest = wall - sum(seconds for _, seconds in parts) + compiled.preload_wait_s
+    # binary, waiting on compile workers) would otherwise hide in "other". A warm start's
+    # cache_load counts the preload's wait, which came before them (CompiledModel's constructor).
+    rest = wall - sum(seconds for _, seconds in parts) + (compiled.preload_wait_s if compiled.started_warm else 0.0)
     if rest > 0:
         timeline.add("compile_calls", rest)
 

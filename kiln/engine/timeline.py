@@ -6,6 +6,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 logger = logging.getLogger("kiln")
 
@@ -13,8 +14,9 @@ logger = logging.getLogger("kiln")
 class StartupTimeline:
     """Phases in order (weights, dynamo, inductor or cache load, graph capture, ...), then ready."""
 
-    def __init__(self):
-        self.started = time.perf_counter()
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self._clock = clock
+        self.started = clock()
         self.phases: dict[str, float] = {}  # finished phase -> seconds
         self.current: str | None = "starting"
         self.ready = False
@@ -29,7 +31,7 @@ class StartupTimeline:
     @contextlib.contextmanager
     def phase(self, name: str, record: bool = True):
         """Mark `name` as the current phase; record its seconds unless its parts are added apart."""
-        start = time.perf_counter()
+        start = self._clock()
         with self._lock:
             self.current = name
             if self._depth == 0:
@@ -38,7 +40,7 @@ class StartupTimeline:
         try:
             yield
         finally:
-            end = time.perf_counter()
+            end = self._clock()
             seconds = end - start
             with self._lock:
                 self._depth -= 1
@@ -72,7 +74,7 @@ class StartupTimeline:
 
     @property
     def total_seconds(self) -> float:
-        return time.perf_counter() - self.started
+        return self._clock() - self.started
 
     def as_dict(self) -> dict:
         with self._lock:
