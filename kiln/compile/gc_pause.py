@@ -70,9 +70,9 @@ def freeze_heap() -> None:
 
 
 def thaw_heap() -> bool:
-    """Hand what `freeze_heap` froze back to the collector (an engine shut down, dropped or
-    stopped serving, or another being built: a dropped engine's cycles are garbage that only a
-    collection can free); whether there was any. `gc.unfreeze` is all or nothing: objects an
+    """Hand what `freeze_heap` froze back to the collector (an engine shut down or done serving,
+    or another being built: an engine dropped without shutdown is garbage that only a collection
+    can free); whether there was any. `gc.unfreeze` is all or nothing: objects an
     application froze itself before the engine's freeze are handed back too."""
     global _frozen_by_engine
     with _freeze_lock:
