@@ -1,5 +1,7 @@
 """The engine end to end on the embedded SmolLM2: batching, preemption, stops, aborts."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -67,6 +69,38 @@ def test_start_up_warm_up_request_has_a_real_steps_block_table_width(llm, monkey
     (meta,) = seen
     assert meta.block_tables.stride(0) == runner.cudagraphs.buffers.block_tables.stride(0)
     assert meta.block_tables.shape[1] * runner.block_size >= meta.max_seq_len
+
+
+def test_kv_cache_profile_runs_attentions_prefill_kernel_and_writes_no_block(llm, monkeypatch):
+    """The KV-cache profile's forward takes the attention a step takes (the paged kernel, over a
+    one-block cache), not the Python reference, whose scores matrix no step holds; its prompts
+    fit the model's length, and it writes no slot."""
+    from kiln.engine import runner as runner_module
+    from kiln.ops import attention as attention_module
+
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "config", dataclasses.replace(runner.config, max_num_batched_tokens=300))
+    monkeypatch.setattr(runner, "max_model_len", 128)
+    gib = 2**30
+    for name, value in [("empty_cache", None), ("reset_peak_memory_stats", None), ("synchronize", None),
+                        ("max_memory_allocated", gib), ("memory_allocated", 0), ("memory_reserved", 10 * gib),
+                        ("mem_get_info", (70 * gib, 80 * gib))]:
+        monkeypatch.setattr(torch.cuda, name, lambda *a, value=value: value)
+    seen, references = [], []
+    real_context = runner_module.set_forward_context
+    monkeypatch.setattr(runner_module, "set_forward_context",
+                        lambda meta, caches: seen.append((meta, caches)) or real_context(meta, caches))
+    real_reference = attention_module.causal_attention_reference
+    monkeypatch.setattr(attention_module, "causal_attention_reference",
+                        lambda *a: references.append(a) or real_reference(*a))
+    blocks = runner._profile_gpu_blocks()
+    assert blocks == int(80 * gib * runner.config.gpu_memory_utilization - gib) // runner.bytes_per_block
+    assert not references
+    meta, caches = seen[0]
+    assert meta.seq_lens_cpu == [128, 128, 44] and meta.num_actual_tokens == 300
+    assert bool((meta.slot_mapping == -1).all())
+    assert {cache.shape[1] for cache in caches.values()} == {1}
+    assert meta.block_tables.stride(0) == runner.cudagraphs.buffers.block_tables.stride(0)
 
 
 def test_stop_string_cuts_text(llm):

@@ -328,6 +328,22 @@ class ModelRunner:
                 self.model.compute_logits(forward(ids, ids))
         torch.cuda.synchronize()
 
+    def _dummy_prefill(self, n: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and metadata of n prompt tokens whose values do not matter, in
+        sequences no longer than the model's, for a run through attention's prefill kernel with
+        the KV cache in place: its cache writes are skipped (slot -1) and every key is read from
+        block 0, whatever that holds. The block table is as wide as a real step's (the step
+        buffers' rows): Triton specialises a kernel on its integer arguments' divisibility by
+        16, so another width (the row stride) is another kernel. A 2-wide one left the first
+        request on the H100 to compile attention's prefill variant, 1.5 s."""
+        length = min(n, self.max_model_len)
+        meta = warm_up_metadata(n, self.device, length=length)
+        blocks = torch.zeros(meta.num_seqs, self.cudagraphs.buffers.max_blocks, dtype=torch.int32,
+                             device=self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        positions = torch.arange(n, device=self.device) % length
+        return ids, positions, dataclasses.replace(meta, block_tables=blocks)
+
     def _warm_up_requests(self, forward: Callable | None = None,
                           kv_caches: dict[str, torch.Tensor] | None = None) -> None:
         """What a request launches outside the CUDA graphs, once before serving, so that its kernels
@@ -335,16 +351,9 @@ class ModelRunner:
         with the KV cache in place (attention's prefill tiles; its cache writes are skipped, slot -1,
         and it reads block 0, whatever that holds) and a greedy and a sampled row (the Triton argmax
         and its Gumbel variant, each the same kernel for every batch and sampling setting)."""
-        n = min(32, self.config.max_num_batched_tokens)
-        # As wide as a real step's block table (the step buffers' rows): Triton specialises a
-        # kernel on its integer arguments' divisibility by 16, so another width (the row stride)
-        # is another kernel. A 2-wide one left the first request on the H100 to compile
-        # attention's prefill variant, 1.5 s.
-        blocks = torch.zeros(1, self.cudagraphs.buffers.max_blocks, dtype=torch.int32, device=self.device)
-        meta = dataclasses.replace(warm_up_metadata(n, self.device, length=n), block_tables=blocks)
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        ids, positions, meta = self._dummy_prefill(min(32, self.config.max_num_batched_tokens))
         with torch.inference_mode(), set_forward_context(meta, self.kv_caches if kv_caches is None else kv_caches):
-            hidden = (forward or self.compiled)(ids, torch.arange(n, device=self.device))
+            hidden = (forward or self.compiled)(ids, positions)
             sample(self.model.compute_logits(hidden[-1:]).repeat(2, 1),
                    [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)], [None, None])
         if self.device.type == "cuda":
@@ -431,13 +440,16 @@ class ModelRunner:
 
     def _profile_gpu_blocks(self) -> int:
         """Blocks that fit in the GPU share left after a forward of the largest batch and its
-        sampling, and, with sampling graphs, their pool."""
+        sampling, and, with sampling graphs, their pool. The forward's attention is the prefill
+        kernel a step runs, over a one-block cache: without metadata it would be the Python
+        reference, whose scores matrix a step never holds (at 2048 tokens of Llama-3-8B it took
+        0.13 s of the profile's GPU time, and its temporaries counted against the cache)."""
         torch.cuda.empty_cache()
+        ids, positions, meta = self._dummy_prefill(self.config.max_num_batched_tokens)
+        one_block = {name: cache.zero_() for name, cache in self._kv_caches(1).items()}
         torch.cuda.reset_peak_memory_stats()
-        n = self.config.max_num_batched_tokens
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        with torch.inference_mode(), set_forward_context(None, {}):
-            hidden = self.compiled(ids, torch.zeros_like(ids))
+        with torch.inference_mode(), set_forward_context(meta, one_block):
+            hidden = self.compiled(ids, positions)
             forward_peak = torch.cuda.max_memory_allocated()
             # A step samples at most one row per sequence. The eager sampler may hold two copies of
             # the logits beside them (a grammar's mask; logit_bias or penalties applied), then the
@@ -448,7 +460,7 @@ class ModelRunner:
             held = torch.cuda.memory_allocated()
             largest_cuts(copies[-1])
             cuts_bytes = torch.cuda.max_memory_allocated() - held
-            del copies, logits, hidden
+            del copies, logits, hidden, one_block
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         non_torch = (total - free) - torch.cuda.memory_reserved()
