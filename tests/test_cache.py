@@ -487,6 +487,38 @@ def test_the_preload_skips_a_module_this_torch_lacks_but_not_a_broken_one(tmp_pa
         _import_if_present("kiln_broken_probe")
 
 
+def test_the_switch_interval_is_short_while_preloads_run_and_restored_after_the_last(monkeypatch):
+    """The engine's thread wins the interpreter lock back from a preload within the short interval;
+    the process's own interval comes back once no preload runs, whichever ends first."""
+    import threading
+
+    from kiln.compile.cache import preload
+
+    release = {name: threading.Event() for name in ("first", "second")}
+    started = []
+
+    def blocking_torch_key():
+        name = "first" if not started else "second"
+        started.append(name)
+        release[name].wait(10)
+
+    monkeypatch.setattr(preload, "_torch_key", blocking_torch_key)
+    monkeypatch.setattr(preload, "COMMON_MODULES", ())
+    original = sys.getswitchinterval()
+    first = preload.start_preload(torch.device("cpu"))
+    while not started:
+        time.sleep(0.001)
+    second = preload.start_preload(torch.device("cpu"))
+    assert sys.getswitchinterval() == pytest.approx(preload.PRELOAD_SWITCH_INTERVAL_S, abs=1e-6)
+    release["first"].set()
+    first.wait()
+    assert sys.getswitchinterval() == pytest.approx(preload.PRELOAD_SWITCH_INTERVAL_S, abs=1e-6)  # the second runs
+    release["second"].set()
+    second.wait()
+    assert sys.getswitchinterval() == pytest.approx(original, abs=1e-6)
+    assert not first.errors and not second.errors
+
+
 def test_a_triton_compile_after_start_up_is_logged_by_kernel_name(monkeypatch, caplog):
     """Triton's compile listener (a stand-in module here: the CPU has no Triton) counts every
     compile; once start-up is over, a compile is a kernel the warm-up missed and is named."""
