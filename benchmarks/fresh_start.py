@@ -26,7 +26,9 @@ capture_warm_up_s: the ordinary runs before the first capture of each compiled c
 triton_compiles (kernels Triton compiled in the process), inductor_compiles, dynamo_graphs,
 compile_workers_warm_s and compile_workers_jobs_s (a cold start with compile workers: seconds
 from their spawn until the last was warm, and until the pieces were handed to them; 0 without
-workers), kv_blocks (what the KV cache got: on a GPU, what the memory profile left). JSON:
+workers), kv_blocks (what the KV cache got: on a GPU, what the memory profile left),
+warm_phases_s (a warm start's parts, the compile preload's own steps among them as background.*).
+JSON:
 --out/fresh_start_<device>.json.
 
 Most of a start is Python on one core, and the GPU machine's hosts differ: the same start took
@@ -91,6 +93,8 @@ def child(args: argparse.Namespace) -> None:
         "precompile_kernel_s": triton_kernels.counts()["precompile_kernel_s"],
         "inductor_compiles": stats["inductor_compiles"], "dynamo_graphs": stats["graphs_seen"],
         "compile_workers_warm_s": stats["workers_ready_s"], "compile_workers_jobs_s": stats["workers_jobs_s"],
+        # A warm start's parts, the preload's own steps among them (background.*): what -O2's weights wait on.
+        "warm_phases_s": stats.get("warm_phases_s", {}),
         "kv_blocks": engine.runner.num_blocks,
         "describe": engine.runner.compiled.describe()}))
 
