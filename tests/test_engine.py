@@ -71,10 +71,10 @@ def test_start_up_warm_up_request_has_a_real_steps_block_table_width(llm, monkey
     assert meta.block_tables.shape[1] * runner.block_size >= meta.max_seq_len
 
 
-def test_kv_cache_profile_runs_attentions_prefill_kernel_and_writes_no_block(llm, monkeypatch):
-    """The KV-cache profile's forward takes the attention a step takes (the paged kernel, over a
-    one-block cache), not the Python reference, whose scores matrix no step holds; its prompts
-    fit the model's length, and it writes no slot."""
+def test_kv_cache_profile_attends_over_a_paged_cache_not_the_reference_and_writes_no_block(llm, monkeypatch):
+    """The KV-cache profile's forward takes the attention a step takes (the paged path, over a
+    one-block cache: on a GPU the Triton kernel, here the CPU's), not the Python reference, whose
+    scores matrix no step holds; its prompts fit the model's length, and it writes no slot."""
     from kiln.engine import runner as runner_module
     from kiln.ops import attention as attention_module
 

@@ -109,7 +109,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_wr
     meta = ctx.attn_metadata if ctx is not None else None
     kv_cache = ctx.kv_caches.get(layer_name) if ctx is not None else None
     if meta is None or kv_cache is None:
-        # No cache (a bare forward: inspect, the GEMV warm-up): attend within the fresh keys.
+        # No cache (forwards whose values do not matter: compile warm-ups, inspect, the GEMV warm-up):
+        # attend within the fresh keys.
         starts = meta.query_start_loc_cpu if meta is not None else [0, query.shape[0]]
         causal_attention_reference(query, key, value, out, starts, scale, window, softcap)
     elif kv_cache.is_cuda:

@@ -20,12 +20,13 @@ first use anyway, and a failure only means the warm start does the work itself.
 Where a cold CPU capture is certain instead, only its ISA probes start early (isa_probes_ahead_due,
 kiln.compile.cache.entry.probe_isa_ahead): the rest it needs at once.
 
-While the thread runs, the interpreter switches threads every PRELOAD_SWITCH_INTERVAL_S rather than
-every 5 ms. The engine's thread meanwhile makes many short torch calls (building the weights, the
-first launches), each of which gives up the interpreter lock and must win it back from the preload's
-pure-Python imports and hashing, a wait of up to one switch interval a call: on an H100 host the
-weights of `llama-3-8b` took 1.35 s to build beside the preload and 0.07 s without it. On this
-2-core CPU, 300 short torch calls beside a busy Python thread took 67-95 ms at 5 ms and 4 ms at 0.2 ms.
+While the thread runs, a thread waiting for the interpreter lock forces a switch after
+PRELOAD_SWITCH_INTERVAL_S rather than 5 ms. The engine's thread meanwhile makes many short torch
+calls (building the weights, the first launches), each of which gives up the lock and must win it
+back from the preload's pure-Python imports and hashing, a wait of up to one switch interval a
+call: on an H100 host the weights of `llama-3-8b` took 1.35 s to build beside the preload and
+0.07 s without it. On this 2-core CPU, 300 short torch calls beside a busy Python thread took
+67-95 ms at 5 ms and 4 ms at 0.2 ms.
 """
 
 from __future__ import annotations
@@ -73,14 +74,16 @@ PRELOAD_SWITCH_INTERVAL_S = 2e-4
 _switch_lock = threading.Lock()
 _switch_users = 0  # preloads running now
 _switch_saved = 0.0  # the interval before the first of them
+_switch_set = 0.0  # the one they run under
 
 
 def _shorten_switch_interval() -> None:
-    global _switch_users, _switch_saved
+    global _switch_users, _switch_saved, _switch_set
     with _switch_lock:
         if _switch_users == 0:
             _switch_saved = sys.getswitchinterval()
             sys.setswitchinterval(min(_switch_saved, PRELOAD_SWITCH_INTERVAL_S))
+            _switch_set = sys.getswitchinterval()  # as the interpreter rounds it
         _switch_users += 1
 
 
@@ -88,7 +91,8 @@ def _restore_switch_interval() -> None:
     global _switch_users
     with _switch_lock:
         _switch_users -= 1
-        if _switch_users == 0:
+        # Unless the application set its own meanwhile.
+        if _switch_users == 0 and sys.getswitchinterval() == _switch_set:
             sys.setswitchinterval(_switch_saved)
 
 
