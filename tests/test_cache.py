@@ -487,65 +487,6 @@ def test_the_preload_skips_a_module_this_torch_lacks_but_not_a_broken_one(tmp_pa
         _import_if_present("kiln_broken_probe")
 
 
-@pytest.mark.parametrize("first_to_end", ["first", "second"])
-def test_the_switch_interval_is_short_while_preloads_run_and_restored_after_the_last(monkeypatch, first_to_end):
-    """The engine's thread wins the interpreter lock back from a preload within the short interval;
-    the process's own interval comes back once no preload runs, whichever ends first."""
-    import threading
-
-    from kiln.compile.cache import preload
-
-    release = {name: threading.Event() for name in ("first", "second")}
-    started = []
-
-    def blocking_torch_key():
-        name = "first" if not started else "second"
-        started.append(name)
-        release[name].wait(10)
-
-    monkeypatch.setattr(preload, "_torch_key", blocking_torch_key)
-    monkeypatch.setattr(preload, "COMMON_MODULES", ())
-    original, short = sys.getswitchinterval(), pytest.approx(preload.PRELOAD_SWITCH_INTERVAL_S, abs=1e-6)
-    first = preload.start_preload(torch.device("cpu"))
-    assert first is not None
-    deadline = time.monotonic() + 10
-    while not started and time.monotonic() < deadline:
-        time.sleep(0.001)
-    second = preload.start_preload(torch.device("cpu"))
-    assert second is not None
-    while len(started) < 2 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert started == ["first", "second"]
-    assert sys.getswitchinterval() == short
-    last_to_end = "second" if first_to_end == "first" else "first"
-    release[first_to_end].set()
-    {"first": first, "second": second}[first_to_end].wait()
-    assert sys.getswitchinterval() == short  # the other still runs
-    release[last_to_end].set()
-    {"first": first, "second": second}[last_to_end].wait()
-    assert sys.getswitchinterval() == pytest.approx(original, abs=1e-6)
-    assert not first.errors and not second.errors
-
-
-def test_an_interval_the_application_set_while_a_preload_ran_is_kept(monkeypatch):
-    import threading
-
-    from kiln.compile.cache import preload
-
-    release = threading.Event()
-    monkeypatch.setattr(preload, "_torch_key", lambda: release.wait(10))
-    monkeypatch.setattr(preload, "COMMON_MODULES", ())
-    original = sys.getswitchinterval()
-    try:
-        running = preload.start_preload(torch.device("cpu"))
-        sys.setswitchinterval(0.001)
-        release.set()
-        running.wait()
-        assert sys.getswitchinterval() == pytest.approx(0.001, abs=1e-6)
-    finally:
-        sys.setswitchinterval(original)
-
-
 def test_a_triton_compile_after_start_up_is_logged_by_kernel_name(monkeypatch, caplog):
     """Triton's compile listener (a stand-in module here: the CPU has no Triton) counts every
     compile; once start-up is over, a compile is a kernel the warm-up missed and is named."""

@@ -19,21 +19,12 @@ first use anyway, and a failure only means the warm start does the work itself.
 
 Where a cold CPU capture is certain instead, only its ISA probes start early (isa_probes_ahead_due,
 kiln.compile.cache.entry.probe_isa_ahead): the rest it needs at once.
-
-While the thread runs, a thread waiting for the interpreter lock forces a switch after
-PRELOAD_SWITCH_INTERVAL_S rather than 5 ms. The engine's thread meanwhile makes many short torch
-calls (building the weights, the first launches), each of which gives up the lock and must win it
-back from the preload's pure-Python imports and hashing, a wait of up to one switch interval a
-call: on an H100 host the weights of `llama-3-8b` took 1.35 s to build beside the preload and
-0.07 s without it. On this 2-core CPU, 300 short torch calls beside a busy Python thread took
-67-95 ms at 5 ms and 4 ms at 0.2 ms.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import sys
 import threading
 import time
 from pathlib import Path
@@ -70,32 +61,6 @@ DEVICE_MODULES = {
 }
 
 
-PRELOAD_SWITCH_INTERVAL_S = 2e-4
-_switch_lock = threading.Lock()
-_switch_users = 0  # preloads running now
-_switch_saved = 0.0  # the interval before the first of them
-_switch_set = 0.0  # the one they run under
-
-
-def _shorten_switch_interval() -> None:
-    global _switch_users, _switch_saved, _switch_set
-    with _switch_lock:
-        if _switch_users == 0:
-            _switch_saved = sys.getswitchinterval()
-            sys.setswitchinterval(min(_switch_saved, PRELOAD_SWITCH_INTERVAL_S))
-            _switch_set = sys.getswitchinterval()  # as the interpreter rounds it
-        _switch_users += 1
-
-
-def _restore_switch_interval() -> None:
-    global _switch_users
-    with _switch_lock:
-        _switch_users -= 1
-        # Unless the application set its own meanwhile.
-        if _switch_users == 0 and sys.getswitchinterval() == _switch_set:
-            sys.setswitchinterval(_switch_saved)
-
-
 class Preload:
     """The background thread and what it did: `parts` maps each step to its seconds."""
 
@@ -112,12 +77,7 @@ class Preload:
         self.waited = False
 
     def start(self) -> "Preload":
-        _shorten_switch_interval()
-        try:
-            self.thread.start()
-        except BaseException:
-            _restore_switch_interval()
-            raise
+        self.thread.start()
         return self
 
     def wait(self) -> float:
@@ -140,18 +100,15 @@ class Preload:
         self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - start
 
     def _run(self) -> None:
-        try:
-            with collector_paused():
-                for module in COMMON_MODULES + DEVICE_MODULES.get(self.device.type, ()):
-                    self._step("imports", lambda m=module: _import_if_present(m))
-            self._step("torch_key", _torch_key)
-            if self.probe_entry is not None:
-                self._step("isa_probe", lambda: probe_isa_in(self.probe_entry))
-                self._step("pieces", lambda: load_pieces_in(self.probe_entry))
-            if self.device.type == "cuda":
-                self._step("triton_key", lambda: _triton_keys(self.cuda_index))
-        finally:
-            _restore_switch_interval()
+        with collector_paused():
+            for module in COMMON_MODULES + DEVICE_MODULES.get(self.device.type, ()):
+                self._step("imports", lambda m=module: _import_if_present(m))
+        self._step("torch_key", _torch_key)
+        if self.probe_entry is not None:
+            self._step("isa_probe", lambda: probe_isa_in(self.probe_entry))
+            self._step("pieces", lambda: load_pieces_in(self.probe_entry))
+        if self.device.type == "cuda":
+            self._step("triton_key", lambda: _triton_keys(self.cuda_index))
 
 
 def _import_if_present(name: str) -> None:
