@@ -7,6 +7,7 @@ import triton
 
 from kiln.ops.triton.dependent_launch import pdl_args
 from kiln.ops.triton.kernels.activation import gated_activation_kernel
+from kiln.ops.triton.launch import launch
 
 BLOCK = 1024
 
@@ -23,8 +24,8 @@ def _gated(x: torch.Tensor, name: str, gelu_tanh: bool) -> torch.Tensor:
         return out
     out_rows = out.view(-1, width)
     grid = (rows.shape[0], triton.cdiv(width, BLOCK))
-    gated_activation_kernel[grid](rows, out_rows, rows.stride(0), out_rows.stride(0), width,
-                                  BLOCK=BLOCK, GELU_TANH=gelu_tanh, num_warps=4, **pdl_args(x.device))
+    launch(gated_activation_kernel, grid, rows, out_rows, rows.stride(0), out_rows.stride(0), width,
+           BLOCK=BLOCK, GELU_TANH=gelu_tanh, num_warps=4, **pdl_args(x.device))
     return out
 
 

@@ -16,6 +16,7 @@ import triton
 from kiln.ops.triton.dependent_launch import pdl_args
 from kiln.ops.triton.device_buffers import kept_buffer
 from kiln.ops.triton.kernels.argmax import argmax_kernel
+from kiln.ops.triton.launch import launch
 
 BLOCK = 4096  # columns per program
 MAX_ROWS = 8192  # the counters' length; a larger batch takes torch's argmax
@@ -54,11 +55,10 @@ def _launch(x: torch.Tensor, threshold: torch.Tensor | None, seeds: torch.Tensor
     part_value = torch.empty(rows * chunks if chunks > 1 else 1, dtype=torch.float32, device=x.device)
     part_index = torch.empty(part_value.shape, dtype=torch.int32, device=x.device)
     gumbel = threshold is not None
-    argmax_kernel[(rows, chunks)](x, out, part_value, part_index, _counters(x.device), width, x.stride(0),
-                                  threshold if gumbel else x, seeds if gumbel else out,
-                                  temperature if temperature is not None else x, BLOCK=block, CHUNKS=chunks,
-                                  GUMBEL=gumbel, SCALED=temperature is not None, num_warps=8 if block >= 4096 else 4,
-                                  **pdl_args(x.device))
+    launch(argmax_kernel, (rows, chunks), x, out, part_value, part_index, _counters(x.device), width, x.stride(0),
+           threshold if gumbel else x, seeds if gumbel else out, temperature if temperature is not None else x,
+           BLOCK=block, CHUNKS=chunks, GUMBEL=gumbel, SCALED=temperature is not None,
+           num_warps=8 if block >= 4096 else 4, **pdl_args(x.device))
     return out
 
 

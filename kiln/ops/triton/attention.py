@@ -44,6 +44,7 @@ from kiln.forward_context import AttentionMetadata
 from kiln.ops.triton.dependent_launch import pdl_args
 from kiln.ops.triton.device_buffers import kept_buffer
 from kiln.ops.triton.kernels.attention import paged_attention_kernel, write_kv_kernel
+from kiln.ops.triton.launch import launch
 
 MAX_KV_SPLITS = 16
 # Below this many keys a decode context is not worth splitting. A 256-wide head's 32-key tile
@@ -86,7 +87,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     if num_tokens == 0:
         return
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    write_kv_kernel[(num_tokens,)](
+    launch(write_kv_kernel, (num_tokens,),
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), num_kv_heads, kv_cache.shape[2],
@@ -254,7 +255,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
     if tiles.heads_first and num_tiles > 65535:  # a grid's second dimension holds at most 65535
         raise ValueError(f"paged_attention: heads_first tiles take at most 65535 tiles, got {num_tiles}")
     grid = (num_kv_heads, num_tiles, splits) if tiles.heads_first else (num_tiles, num_kv_heads, splits)
-    paged_attention_kernel[grid](
+    launch(paged_attention_kernel, grid,
         query, key_cache, value_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         partial_acc, partial_max, partial_sum, counters, num_seqs, scale * math.log2(math.e),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),

@@ -54,6 +54,7 @@ from kiln.ops.triton import gemv_configs
 from kiln.ops.triton.dependent_launch import gemv_pdl_args
 from kiln.ops.triton.device_buffers import kept_buffer
 from kiln.ops.triton.kernels.gemv import gemv_dot_kernel, gemv_fma_kernel
+from kiln.ops.triton.launch import launch
 
 MAX_ROWS = 64  # above this, callers use cuBLAS
 ACTIVATIONS = tuple(GATED_ACTIVATIONS)  # what a gated launch can compute in its loads
@@ -386,7 +387,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
             raise ValueError(f"skinny_matmul: split-K over more than {MAX_SPLIT_TILES} column tiles")
         block_k = config.kwargs["BLOCK_K"]
         # The autotuner's inner function, with the heuristic applied by hand.
-        autotuned.fn.fn[grid](*args, BLOCK_M=block_m, EVEN_K=K % block_k == 0, **extra, **config.all_kwargs())
+        launch(autotuned.fn.fn, grid, *args, BLOCK_M=block_m, EVEN_K=K % block_k == 0, **extra,
+               **config.all_kwargs())
     return out
 
 

@@ -15,6 +15,7 @@ import torch
 import triton
 
 from kiln.ops.triton.kernels.kept_mass import kept_mass_kernel
+from kiln.ops.triton.launch import launch
 
 BLOCK = 4096  # columns per program
 
@@ -29,6 +30,6 @@ def kept_mass(x: torch.Tensor, temperature: torch.Tensor, top: torch.Tensor, thr
     chunks = triton.cdiv(width, BLOCK)
     block = BLOCK if chunks > 1 else max(triton.next_power_of_2(width), 16)
     parts = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
-    kept_mass_kernel[(rows, chunks)](x, temperature.contiguous(), top.contiguous(), threshold.contiguous(), parts,
-                                     width, x.stride(0), chunks, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    launch(kept_mass_kernel, (rows, chunks), x, temperature.contiguous(), top.contiguous(), threshold.contiguous(),
+           parts, width, x.stride(0), chunks, BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return parts.sum(dim=-1, keepdim=True)

@@ -16,6 +16,7 @@ import triton
 
 from kiln.ops.triton.activation import silu_and_mul
 from kiln.ops.triton.kernels.moe import moe_gemm_kernel
+from kiln.ops.triton.launch import launch
 
 
 def block_rows(num_pairs: int, num_experts: int) -> int:
@@ -53,7 +54,7 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_pa
     n, k = b.shape[1], b.shape[2]
     block_n, block_k = 64, 64
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
-    moe_gemm_kernel[grid](
+    launch(moe_gemm_kernel, grid,
         a, b, out, weights if weights is not None else out, sorted_pairs, block_expert, num_pairs, n, k,
         a.stride(0), b.stride(0), b.stride(1), out.stride(0),
         TOP_K_DIV=top_k_div, WEIGHTED=weights is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -16,6 +16,7 @@ import triton
 
 from kiln.ops.triton.dependent_launch import pdl_args
 from kiln.ops.triton.kernels.norm import fused_add_rms_norm_kernel, rms_norm_kernel
+from kiln.ops.triton.launch import launch
 
 # A whole row lives in registers; past this the kernel would need a loop over the row.
 MAX_HIDDEN_SIZE = 65536
@@ -57,7 +58,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     if rows.shape[0] == 0:
         return out
     out_rows = out.view(-1, x.shape[-1])
-    rms_norm_kernel[(rows.shape[0],)](
+    launch(rms_norm_kernel, (rows.shape[0],),
         rows, weight, out_rows, rows.stride(0), out_rows.stride(0), x.shape[-1], eps,
         UNIT_OFFSET=unit_offset, **_launch_config(x.shape[-1]), **pdl_args(x.device),
     )
@@ -79,7 +80,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if rows.shape[0] == 0:
         return out, new_residual
     out_rows = out.view(-1, x.shape[-1])
-    fused_add_rms_norm_kernel[(rows.shape[0],)](
+    launch(fused_add_rms_norm_kernel, (rows.shape[0],),
         rows, residual_rows, weight, out_rows, new_residual, rows.stride(0), residual_rows.stride(0),
         out_rows.stride(0), x.shape[-1], eps, UNIT_OFFSET=unit_offset, **_launch_config(x.shape[-1]),
         **pdl_args(x.device),

@@ -20,6 +20,7 @@ import triton
 
 from kiln.ops.triton.dependent_launch import pdl_args
 from kiln.ops.triton.kernels.rotary import rotary_kernel
+from kiln.ops.triton.launch import launch
 
 
 def _check(positions, q, k, cos_sin_cache, head_dim) -> None:
@@ -62,7 +63,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                       key_cache.stride(1), key_cache.stride(2), kv_cache.shape[2], slot_mapping.shape[0])
     else:  # unread placeholders
         cache_args = (k, k, k, positions, 0, 0, 0, 0, 1, 0)
-    rotary_kernel[(num_tokens,)](
+    launch(rotary_kernel, (num_tokens,),
         positions, q, k, cos_sin_cache, q_out, k_out, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
         num_q_heads, num_kv_heads, *cache_args, WRITE_KV=write,
         **_launch_config(head_dim, cos_sin_cache.shape[-1], num_q_heads, num_kv_heads), **pdl_args(q.device),
