@@ -169,6 +169,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--quick", action="store_true", help="only the default tiles, no sweep")
+    p.add_argument("--prefill-only", action="store_true", help="the prefill and its sweep, no decode")
     args = p.parse_args()
     device = "cuda"
     copy_rate, matmul_rate = measure_copy(device, torch.bfloat16), measure_matmul(device, torch.bfloat16)
@@ -178,11 +179,13 @@ def main():
         for block_n, warps, stages, heads_first in itertools.product((32, 64), (2, 4), (2, 3), (False, True))]
     prefill_sweep = [] if args.quick else [
         AttentionTiles(block_m, block_n, warps, stages)
-        for block_m, block_n, warps, stages in itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (None, 2, 3))]
+        for block_m, block_n, warps, stages in itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (None, 2, 3, 4))
+        if block_m < 256 or not args.prefill_only]
     result = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_rate,
               "matmul_flops_per_s": matmul_rate, "prefill": prefill_case(matmul_rate, prefill_sweep, device),
-              "decode": decode_cases(copy_rate, sweep, device)}
-    path = Path(args.out) / f"decode_attention_cuda{'' if args.quick else '_sweep'}.json"
+              "decode": [] if args.prefill_only else decode_cases(copy_rate, sweep, device)}
+    name = "prefill_attention_cuda" if args.prefill_only else "decode_attention_cuda"
+    path = Path(args.out) / f"{name}{'' if args.quick else '_sweep'}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")

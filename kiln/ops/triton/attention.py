@@ -124,7 +124,12 @@ def choose_tiles(max_query_len: int, group: int, head_dim: int, programs: int = 
     rows_needed = _pow2(group)
     block_m = max(16 if max_query_len == 1 else 64, rows_needed)
     if max_query_len != 1:
-        return AttentionTiles(block_m=block_m, block_n=32 if head_dim > 128 else 64, num_warps=4)
+        # Prefill: a sequence's kv heads side by side, with the kernel taking its query tiles last
+        # first, start the tiles that see the most keys first (2048-token prompt on an H100: 132 ->
+        # 107 us; alone, either order left it at 132).
+        if head_dim > 128:
+            return AttentionTiles(block_m=block_m, block_n=32, num_warps=4, heads_first=True)
+        return AttentionTiles(block_m=block_m, block_n=64, num_warps=4, num_stages=2, heads_first=True)
     sms = _multiprocessor_count(device or torch.device("cpu"))
     if head_dim > 128:
         # Gemma 2's decode (attention_tiles.py --shape gemma-2-9b): 32-key tiles pipelined 2 deep

@@ -169,6 +169,9 @@ def paged_attention_kernel(
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         num_kv_heads = tl.num_programs(1)
+    if not ONE_QUERY:
+        # A prompt's last query tiles see the most keys: they start first, and the short ones fill the tail.
+        tile = (tl.num_programs(1) if HEADS_FIRST else tl.num_programs(0)) - 1 - tile
     split = tl.program_id(2)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
 
