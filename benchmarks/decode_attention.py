@@ -160,8 +160,8 @@ def prefill_case(matmul_rate: float, sweep: list[AttentionTiles], device: str, t
     print(f"prefill {tokens}: {seconds * 1e6:.1f} us, {flops / seconds / 1e12:.0f} TFLOP/s "
           f"({row['vs_matmul_rate']:.2f} of the matmul rate)", flush=True)
     for r in ok[:8]:
-        print(f"    m{r['block_m']} n{r['block_n']} w{r['num_warps']} st{r['num_stages']}: {r['us']:.1f} us "
-              f"{r['vs_matmul_rate']:.2f} err {r['max_err']:.1e}", flush=True)
+        print(f"    m{r['block_m']} n{r['block_n']} w{r['num_warps']} st{r['num_stages']} hf{int(r['heads_first'])}: "
+              f"{r['us']:.1f} us {r['vs_matmul_rate']:.2f} err {r['max_err']:.1e}", flush=True)
     return row
 
 
@@ -178,7 +178,7 @@ def main():
         AttentionTiles(16, block_n, warps, stages, heads_first)
         for block_n, warps, stages, heads_first in itertools.product((32, 64), (2, 4), (2, 3), (False, True))]
     prefill_sweep = [] if args.quick else [
-        AttentionTiles(block_m, block_n, warps, stages)
+        AttentionTiles(block_m, block_n, warps, stages, heads_first=True)  # as paged_attention's prefill
         for block_m, block_n, warps, stages in itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (None, 2, 3, 4))
         if block_m < 256 or not args.prefill_only]
     result = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_rate,
