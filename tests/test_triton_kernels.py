@@ -646,6 +646,22 @@ def test_paged_attention_decode_with_heads_first_grid(kv_splits):
     assert_attention_matches(batch, batch.kernel_output(tiles=tiles, kv_splits=kv_splits), batch.reference_output())
 
 
+def test_prefill_tiles_run_heads_first_longest_tiles_first_and_fall_back_past_the_grid_limit(monkeypatch):
+    """A prefill or mixed launch puts a sequence's kv heads side by side and takes its query tiles
+    last first; past CUDA's limit on a grid's second dimension the chosen tiles go tiles first
+    instead, and tiles the caller picked are refused with the way out."""
+    from kiln.ops.triton import attention
+
+    assert choose_tiles(64, 4, 128).heads_first and choose_tiles(64, 2, 256).heads_first
+    batch = PagedBatch(**MIXED, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
+    expected = batch.reference_output()
+    assert_attention_matches(batch, batch.kernel_output(), expected)
+    monkeypatch.setattr(attention, "MAX_GRID_TILES", 2)
+    assert_attention_matches(batch, batch.kernel_output(), expected)
+    with pytest.raises(ValueError, match="heads_first=False"):
+        batch.kernel_output(tiles=choose_tiles(64, 4, 64))
+
+
 def test_paged_attention_decode_tiles_of_a_large_batch():
     # What a decode batch that fills the GPU gets (64-key tiles, 3 stages, a sequence's kv heads
     # side by side), on contexts that are not tile multiples.

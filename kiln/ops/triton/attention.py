@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -239,6 +239,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
     num_heads = query.shape[1]
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     group = num_heads // num_kv_heads
+    chosen = tiles is None
     tiles = tiles or choose_tiles(meta.max_query_len, group, head_dim, num_seqs * num_kv_heads, query.device)
     splits = choose_kv_splits(meta, num_kv_heads, query.device, head_dim) if kv_splits is None else kv_splits
     if splits < 1 or splits & (splits - 1):
@@ -257,8 +258,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
         partial_sum = torch.empty_like(partial_max)
         partial_acc = torch.empty(*partial_max.shape, block_dim, dtype=torch.float32, device=query.device)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    if tiles.heads_first and num_tiles > 65535:  # a grid's second dimension holds at most 65535
-        raise ValueError(f"paged_attention: heads_first tiles take at most 65535 tiles, got {num_tiles}")
+    if tiles.heads_first and num_tiles > MAX_GRID_TILES:  # a grid's second dimension
+        if not chosen:
+            raise ValueError(f"paged_attention: heads_first tiles take at most {MAX_GRID_TILES} tiles, got "
+                             f"{num_tiles}; pass tiles with heads_first=False")
+        tiles = replace(tiles, heads_first=False)
     grid = (num_kv_heads, num_tiles, splits) if tiles.heads_first else (num_tiles, num_kv_heads, splits)
     launch(paged_attention_kernel, grid,
         query, key_cache, value_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -287,6 +291,7 @@ def needs_64bit_offsets(cache: torch.Tensor) -> bool:
 
 
 MAX_INT32_OFFSET = 2**31 - 1
+MAX_GRID_TILES = 65535  # CUDA's limit on a grid's second (and third) dimension
 
 
 def _merge_counters(device: torch.device) -> torch.Tensor:
