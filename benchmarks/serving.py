@@ -17,8 +17,10 @@ loaded every kernel a request needs).
 
 Floors, measured in this process before the server starts (kiln bench's copy and matmul
 rates): TTFT >= one prompt's prefill alone (its matmul FLOPs at the matmul rate, or the
-weights at the copy rate, whichever is longer); TPOT >= one decode step at batch 1; output
-tokens/s <= what arrives (rate x output-len). Writes --out/serving_<model>_<device>.json.
+weights at the copy rate, whichever is longer); TPOT >= one decode step at batch 1, and at each
+rate >= a decode step at the concurrency that rate holds, beside the share of the matmul rate its
+tokens need (floor.under_load, `load_floor`); output tokens/s <= what arrives (rate x
+output-len). Writes --out/serving_<model>_<device>.json.
 The HTTP client is a few lines of asyncio (no dependency beyond the standard library).
 """
 
@@ -43,7 +45,7 @@ from server_process import ServerProcess  # noqa: E402
 
 from kiln.config import EngineConfig  # noqa: E402
 from kiln.loader import load_source  # noqa: E402
-from kiln.tools.bench import Floor, floor_for, matmul_params, measure_copy, measure_matmul  # noqa: E402
+from kiln.tools.bench import Floor, floor_for, kv_bytes, matmul_params, measure_copy, measure_matmul  # noqa: E402
 from kiln.tools.traffic import decode_weight_bytes  # noqa: E402
 
 
@@ -177,7 +179,29 @@ def floors(args) -> dict:
     step = floor_for(cfg, elem, floor, 1, args.input_len + args.output_len / 2)
     return {"vocab_size": cfg.vocab_size, "dtype": str(dtype).removeprefix("torch."),
             "copy_bytes_per_s": floor.copy_bytes_per_s, "matmul_flops_per_s": floor.matmul_flops_per_s,
-            "weight_bytes": floor.weight_bytes, "ttft_s": prefill_s, "tpot_s": step["step_ms"] / 1e3}
+            "weight_bytes": floor.weight_bytes, "ttft_s": prefill_s, "tpot_s": step["step_ms"] / 1e3,
+            "under_load": {rate: load_floor(cfg, elem, floor, rate, args.input_len, args.output_len,
+                                            step["step_ms"] / 1e3) for rate in args.rates}}
+
+
+def load_floor(cfg, elem: int, floor: Floor, rate: float, input_len: int, output_len: int,
+               alone_s: float) -> dict:
+    """What `rate` requests a second ask of the device in steady state. `compute_fraction`: the
+    share of the matmul rate their tokens' matmuls take (prompt tokens without the LM head).
+    `tpot_s`: the floor of a decode step at the concurrency the rate then holds (Little's law:
+    rate x output_len x step sequences decoding), each step reading the weights and those
+    sequences' KV caches, with the prompts' matmuls hidden under the reads, and never below
+    `alone_s`, one sequence's step; None where either share reaches 1 (the queue grows without
+    bound)."""
+    head = cfg.vocab_size * cfg.hidden_size
+    flops = 2 * (input_len * (matmul_params(cfg) - head) + output_len * matmul_params(cfg))
+    compute_fraction = rate * flops / floor.matmul_flops_per_s
+    # Seconds of KV reads each second of decode steps: sequences decoding per second of steps,
+    # each reading its cache (at its mean context) once a step.
+    kv_share = rate * output_len * kv_bytes(cfg, elem, input_len + output_len / 2) / floor.copy_bytes_per_s
+    sustainable = compute_fraction < 1 and kv_share < 1
+    tpot = max(alone_s, floor.weight_bytes / floor.copy_bytes_per_s / (1 - kv_share)) if sustainable else None
+    return {"compute_fraction": compute_fraction, "kv_read_fraction": kv_share, "tpot_s": tpot}
 
 
 def triton_kernels(server: ServerProcess) -> dict[str, float]:
@@ -214,10 +238,14 @@ def main() -> int:
             r["triton_kernels_while_serving"] = {k: v - kernels_before[k] for k, v in triton_kernels(server).items()}
             report["rates"].append(r)
             ms = lambda d, k: f"{d[k] * 1e3:7.1f}" if d[k] is not None else "      -"  # noqa: E731
+            load = bound["under_load"][rate]
+            at_load = (f"{load['tpot_s'] * 1e3:.2f} at this load" if load["tpot_s"] is not None
+                       else "none at this load")
             print(f"rate {rate:6.2f}/s: {r['completed']}/{r['requests']} done, {r['output_tokens_per_s']:8.1f} output "
                   f"tok/s (arriving {r['offered_output_tokens_per_s']:.0f}), TTFT p50 {ms(r['ttft_s'], 'p50')} p99 "
                   f"{ms(r['ttft_s'], 'p99')} ms (floor {bound['ttft_s'] * 1e3:.1f}), TPOT p50 {ms(r['tpot_s'], 'p50')} "
-                  f"p99 {ms(r['tpot_s'], 'p99')} ms (floor {bound['tpot_s'] * 1e3:.2f}), ITL p99 "
+                  f"p99 {ms(r['tpot_s'], 'p99')} ms (floor {bound['tpot_s'] * 1e3:.2f}, {at_load}, matmuls "
+                  f"{load['compute_fraction']:.0%} of the device), ITL p99 "
                   f"{ms(r['itl_s'], 'p99')} ms" + (f"; errors: {r['errors']}" if r["errors"] else "")
                   + "".join(f"\n    slow first token: request {x['request']} sent at {x['sent_s']:.2f} s, "
                             f"{x['ttft_s'] * 1e3:.1f} ms" for x in r["slowest_ttft"][:2]), flush=True)

@@ -62,3 +62,24 @@ def test_serving_streams_token_ids_from_a_model_without_a_tokenizer(tmp_path):
     assert len(slowest) == 4 and slowest[0]["ttft_s"] == max(s["ttft_s"] for s in slowest) >= rate["ttft_s"]["p50"]
     assert rate["triton_kernels_while_serving"] == {"compiled": 0, "cached": 0}  # no Triton on the CPU
     assert report["floor"]["ttft_s"] > 0 and report["floor"]["tpot_s"] > 0
+    (load,) = report["floor"]["under_load"].values()
+    assert load["tpot_s"] is None or load["tpot_s"] >= report["floor"]["tpot_s"]
+    assert load["compute_fraction"] > 0
+
+
+def test_the_floor_under_load_holds_the_concurrency_a_rate_brings_and_says_when_none_is_sustainable():
+    import serving
+
+    cfg = PRESETS["llama-3-8b"]
+    floor = Floor(copy_bytes_per_s=3e12, matmul_flops_per_s=800e12, weight_bytes=decode_weight_bytes(cfg, 2))
+    alone = floor.weight_bytes / floor.copy_bytes_per_s
+    load = serving.load_floor(cfg, 2, floor, 32.0, 512, 128, alone)
+    # 32 x (512 prompt + 128 output tokens) x ~2 x 7.5 G parameters a second: ~38% of 800 TFLOP/s.
+    assert 0.36 < load["compute_fraction"] < 0.40
+    # ~4,096 sequence-steps a second, each reading 576 tokens' KV (75.5 MB): ~10% of the copy rate.
+    assert 0.09 < load["kv_read_fraction"] < 0.12
+    assert load["tpot_s"] == pytest.approx(alone / (1 - load["kv_read_fraction"]))
+    assert serving.load_floor(cfg, 2, floor, 1.0, 512, 128, alone)["tpot_s"] == pytest.approx(alone, rel=0.01)
+    assert serving.load_floor(cfg, 2, floor, 32.0, 512, 128, 1.0)["tpot_s"] == 1.0  # never below one sequence's
+    beyond = serving.load_floor(cfg, 2, floor, 100.0, 512, 128, alone)
+    assert beyond["compute_fraction"] > 1 and beyond["tpot_s"] is None

@@ -242,19 +242,24 @@ def matmul_params(cfg: ModelArchConfig) -> int:
     return c.num_layers * (attn + mlp) + c.vocab_size * c.hidden_size
 
 
+def kv_bytes(cfg: ModelArchConfig, elem: int, tokens: float) -> float:
+    """The KV cache of `tokens` tokens, every layer's keys and values."""
+    return tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+
+
 def floor_for(cfg: ModelArchConfig, elem: int, floor: Floor, batch: int, seq_len: float, ranks: int = 1) -> dict:
     """The floor of one step; with `ranks` devices each reads and multiplies its 1/ranks share
     at once (the all-reduces are left out: a floor, not a model)."""
     c = cfg
-    kv_bytes = batch * seq_len * c.num_layers * 2 * c.num_kv_heads * c.head_dim * elem
+    kv_read = kv_bytes(cfg, elem, batch * seq_len)
     attn_flops = 4 * batch * seq_len * c.num_layers * c.num_heads * c.head_dim  # q.k and p.v
     flops = 2 * batch * matmul_params(cfg) + attn_flops
     # A mixture of experts reads more experts the larger the batch.
     weight_bytes = decode_weight_bytes(cfg, elem, batch) if cfg.num_experts else floor.weight_bytes
-    memory_ms = (weight_bytes + kv_bytes) / ranks / floor.copy_bytes_per_s * 1e3
+    memory_ms = (weight_bytes + kv_read) / ranks / floor.copy_bytes_per_s * 1e3
     compute_ms = flops / ranks / floor.matmul_flops_per_s * 1e3
     return {"batch": batch, "step_ms": max(memory_ms, compute_ms), "bound": "memory" if memory_ms >= compute_ms
-            else "compute", "memory_ms": memory_ms, "compute_ms": compute_ms, "bytes": weight_bytes + kv_bytes,
+            else "compute", "memory_ms": memory_ms, "compute_ms": compute_ms, "bytes": weight_bytes + kv_read,
             "flops": flops}
 
 
