@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import shlex
@@ -196,11 +197,21 @@ def load_floor(cfg, elem: int, floor: Floor, rate: float, input_len: int, output
     head = cfg.vocab_size * cfg.hidden_size
     flops = 2 * (input_len * (matmul_params(cfg) - head) + output_len * matmul_params(cfg))
     compute_fraction = rate * flops / floor.matmul_flops_per_s
-    # Seconds of KV reads each second of decode steps: sequences decoding per second of steps,
-    # each reading its cache (at its mean context) once a step.
-    kv_share = rate * output_len * kv_bytes(cfg, elem, input_len + output_len / 2) / floor.copy_bytes_per_s
-    sustainable = compute_fraction < 1 and kv_share < 1
-    tpot = max(alone_s, floor.weight_bytes / floor.copy_bytes_per_s / (1 - kv_share)) if sustainable else None
+    per_sequence = kv_bytes(cfg, elem, input_len + output_len / 2)  # its cache at its mean context
+    # Seconds of KV reads each second of decode steps: each sequence decoding reads its cache once a step.
+    kv_share = rate * output_len * per_sequence / floor.copy_bytes_per_s
+    tpot = None
+    if compute_fraction < 1 and kv_share < 1:
+        # The step's length sets how many sequences decode in it, which set its reads (and, for a
+        # mixture of experts, how many experts it reads): iterate to the fixed point.
+        tpot = alone_s
+        for _ in range(200):
+            batch = max(1.0, rate * output_len * tpot)
+            weights = decode_weight_bytes(cfg, elem, math.ceil(batch)) if cfg.num_experts else floor.weight_bytes
+            step = max(alone_s, (weights + batch * per_sequence) / floor.copy_bytes_per_s)
+            if abs(step - tpot) <= 1e-12:
+                break
+            tpot = step
     return {"compute_fraction": compute_fraction, "kv_read_fraction": kv_share, "tpot_s": tpot}
 
 

@@ -2,6 +2,7 @@
 must-show reads (a GPU call wasted on a broken script costs a session's minutes)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -78,8 +79,18 @@ def test_the_floor_under_load_holds_the_concurrency_a_rate_brings_and_says_when_
     assert 0.36 < load["compute_fraction"] < 0.40
     # ~4,096 sequence-steps a second, each reading 576 tokens' KV (75.5 MB): ~10% of the copy rate.
     assert 0.09 < load["kv_read_fraction"] < 0.12
-    assert load["tpot_s"] == pytest.approx(alone / (1 - load["kv_read_fraction"]))
+    # A dense model's fixed point: the weights' read stretched by the share the caches add.
+    assert load["tpot_s"] == pytest.approx(alone / (1 - load["kv_read_fraction"]), rel=1e-6)
     assert serving.load_floor(cfg, 2, floor, 1.0, 512, 128, alone)["tpot_s"] == pytest.approx(alone, rel=0.01)
     assert serving.load_floor(cfg, 2, floor, 32.0, 512, 128, 1.0)["tpot_s"] == 1.0  # never below one sequence's
     beyond = serving.load_floor(cfg, 2, floor, 100.0, 512, 128, alone)
     assert beyond["compute_fraction"] > 1 and beyond["tpot_s"] is None
+    # A mixture of experts reads more experts the more sequences a step holds.
+    moe = PRESETS["qwen3-30b-a3b"]
+    moe_floor = Floor(copy_bytes_per_s=3e12, matmul_flops_per_s=800e12, weight_bytes=decode_weight_bytes(moe, 2))
+    one = moe_floor.weight_bytes / moe_floor.copy_bytes_per_s
+    under_load = serving.load_floor(moe, 2, moe_floor, 32.0, 512, 128, one)
+    loaded, batch = under_load["tpot_s"], 32 * 128 * under_load["tpot_s"]
+    assert loaded > one / (1 - under_load["kv_read_fraction"])
+    assert loaded == pytest.approx((decode_weight_bytes(moe, 2, math.ceil(batch)) + batch * serving.kv_bytes(
+        moe, 2, 512 + 64)) / 3e12, rel=1e-6)
