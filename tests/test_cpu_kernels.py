@@ -138,6 +138,15 @@ def test_without_a_build_the_reference_runs_and_nothing_is_built(tmp_path, monke
     assert not any(tmp_path.iterdir())
 
 
+def test_the_build_dir_follows_the_cache_root_the_environment_names(tmp_path, monkeypatch):
+    for name in ("a", "b", "a"):
+        monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / name))
+        assert extension.build_dir().parent.parent == tmp_path / name
+    monkeypatch.delenv("KILN_CACHE_ROOT")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert extension.build_dir().is_relative_to(tmp_path / "home" / ".cache" / "kiln")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("unit_offset", [False, True])
 @pytest.mark.parametrize("shape", [(16, 576), (3, 5, 64), (0, 32), (300, 96)])

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import importlib.util
 import logging
+import os
 import platform
 import sys
 from pathlib import Path
@@ -55,6 +56,13 @@ def _build_key() -> str:
 
 def build_dir() -> Path:
     """Where this source's build for this torch and CPU lives."""
+    return _build_dir_under(os.environ.get("KILN_CACHE_ROOT"), os.environ.get("HOME"))
+
+
+# Per cache root (the environment names it): every norm and attention call of an engine whose
+# kernels were never built asks, and composing the path took ~30 us a call.
+@functools.cache
+def _build_dir_under(cache_root_env: str | None, home: str | None) -> Path:
     from kiln.compile.cache import cache_root
     from kiln.compile.cache.root import CPU_KERNELS
 
