@@ -75,7 +75,7 @@ def test_the_floor_under_load_holds_the_concurrency_a_rate_brings_and_says_when_
     floor = Floor(copy_bytes_per_s=3e12, matmul_flops_per_s=800e12, weight_bytes=decode_weight_bytes(cfg, 2))
     alone = floor.weight_bytes / floor.copy_bytes_per_s
     load = serving.load_floor(cfg, 2, floor, 32.0, 512, 128, alone)
-    # 32 x (512 prompt + 128 output tokens) x ~2 x 7.5 G parameters a second: ~38% of 800 TFLOP/s.
+    # 32 x (512 prompt + 128 output tokens) x ~2 x 7.5 G parameters a second: ~36% of 800 TFLOP/s.
     assert 0.36 < load["compute_fraction"] < 0.40
     # ~4,096 sequence-steps a second, each reading 576 tokens' KV (75.5 MB): ~10% of the copy rate.
     assert 0.09 < load["kv_read_fraction"] < 0.12
