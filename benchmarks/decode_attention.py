@@ -170,6 +170,8 @@ def main():
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--quick", action="store_true", help="only the default tiles, no sweep")
     p.add_argument("--prefill-only", action="store_true", help="the prefill and its sweep, no decode")
+    p.add_argument("--prefill-lengths", type=int, nargs="*", default=[],
+                   help="with --prefill-only: these prompt lengths too, each with a short list of tiles")
     args = p.parse_args()
     device = "cuda"
     copy_rate, matmul_rate = measure_copy(device, torch.bfloat16), measure_matmul(device, torch.bfloat16)
@@ -181,8 +183,13 @@ def main():
         AttentionTiles(block_m, block_n, warps, stages, heads_first=True)  # as paged_attention's prefill
         for block_m, block_n, warps, stages in itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (None, 2, 3, 4))
         if block_m < 256 or not args.prefill_only]
+    # The 2048-token sweep's leaders, and the heads-first tiles of session 20, at other lengths.
+    short_sweep = [AttentionTiles(m, n, 4, stages, heads_first=True)
+                   for m, n, stages in ((64, 64, 2), (64, 64, None), (128, 64, 3), (128, 64, None), (128, 32, 3))]
     result = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_rate,
               "matmul_flops_per_s": matmul_rate, "prefill": prefill_case(matmul_rate, prefill_sweep, device),
+              "prefill_lengths": [prefill_case(matmul_rate, short_sweep, device, tokens)
+                                  for tokens in args.prefill_lengths] if args.prefill_only else [],
               "decode": [] if args.prefill_only else decode_cases(copy_rate, sweep, device)}
     name = "prefill_attention_cuda" if args.prefill_only else "decode_attention_cuda"
     path = Path(args.out) / f"{name}{'' if args.quick else '_sweep'}.json"

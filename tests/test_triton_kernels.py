@@ -662,6 +662,16 @@ def test_prefill_tiles_run_heads_first_longest_tiles_first_and_fall_back_past_th
         batch.kernel_output(tiles=choose_tiles(64, 4, 64))
 
 
+def test_long_prompts_take_128_row_tiles():
+    # From 2048 query tokens on, prefill takes 128-row tiles (32 tokens of a 4-head group here),
+    # over prompts that end mid-tile and beside decode rows.
+    tiles = choose_tiles(2048, 4, 64)
+    assert (tiles.block_m, tiles.block_n, tiles.heads_first) == (128, 64, True)
+    assert choose_tiles(1024, 4, 128).block_m == 64 and choose_tiles(2048, 256, 128).block_m == 256
+    batch = PagedBatch(**MIXED, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
+    assert_attention_matches(batch, batch.kernel_output(tiles=tiles), batch.reference_output())
+
+
 def test_paged_attention_decode_tiles_of_a_large_batch():
     # What a decode batch that fills the GPU gets (64-key tiles, 3 stages, a sequence's kv heads
     # side by side), on contexts that are not tile multiples.

@@ -129,6 +129,11 @@ def choose_tiles(max_query_len: int, group: int, head_dim: int, programs: int = 
         # 107 us; alone, either order left it at 132).
         if head_dim > 128:
             return AttentionTiles(block_m=block_m, block_n=32, num_warps=4, heads_first=True)
+        if max_query_len >= 2048:
+            # Long prompts amortize a taller tile's keys over twice the rows (decode_attention.py
+            # --prefill-lengths, H100, 32/8 heads d128: 2048 tokens 105 -> 95 us, 8192 1580 ->
+            # 1310 us); up to 1024 tokens the 64-row tile was 1.3-1.7x faster.
+            return AttentionTiles(block_m=max(block_m, 128), block_n=64, num_warps=4, heads_first=True)
         return AttentionTiles(block_m=block_m, block_n=64, num_warps=4, num_stages=2, heads_first=True)
     sms = _multiprocessor_count(device or torch.device("cpu"))
     if head_dim > 128:
