@@ -155,6 +155,13 @@ def test_step_buffers_pad_tokens_and_sequences():
     # The same bucket is the same memory every step: a graph finds its inputs where it left them.
     again = buffers.load(step, 8, 4, 8, 48)
     assert again[0].data_ptr() == ids.data_ptr() and again[2].seq_lens.data_ptr() == meta.seq_lens.data_ptr()
+    # A smaller step after it, through the same host staging: the rows it does not fill are padding again.
+    small = PackedStep(input_ids=[9], positions=[4], slots=[40], block_tables=[[6]], seq_lens=[5],
+                       query_start_loc=[0, 1])
+    ids, pos, meta = buffers.load(small, num_tokens=8, num_seqs=4, max_query_len=1, max_seq_len=48)
+    assert ids.tolist() == [9] + [0] * 7 and meta.slot_mapping.tolist() == [40] + [-1] * 7
+    assert meta.seq_lens.tolist() == [5, 0, 0, 0] and meta.query_start_loc.tolist() == [0, 1, 1, 1, 1]
+    assert meta.block_tables[0, 0] == 6
     with pytest.raises(ValueError, match="does not fit"):
         buffers.load(step, num_tokens=32, num_seqs=4, max_query_len=1, max_seq_len=1)
 
