@@ -77,3 +77,16 @@ def test_opcheck_with_a_paged_kv_cache(name):
         if name == "attention":  # attention reads what the write stored
             torch.ops.kiln.kv_cache_write(args[1], args[2], "layer0")
         torch.library.opcheck(op, args)
+
+
+def test_every_kiln_op_has_its_function_on_the_device_keys():
+    # Compiled code calls the ops through the dispatcher: each device's key holds kiln's function
+    # itself, not custom_op's Python wrappers around it (kiln.ops.custom_op.register_direct_kernels).
+    from kiln.ops.custom_op import DIRECT_DEVICES, _qualnames
+
+    assert len(_qualnames) >= 10
+    for name in _qualnames.values():
+        registrations = torch._C._dispatch_dump(name).splitlines()
+        for key in DIRECT_DEVICES.values():
+            active = [line for line in registrations if line.startswith(f"{key}: ")]
+            assert len(active) == 1 and "kiln/ops/custom_op.py" in active[0], (name, registrations)
