@@ -2,6 +2,8 @@
 before step n's tokens are read, its pending input tokens come from the device, and stops
 are seen one step late. The outputs must be exactly those of the synchronous engine."""
 
+import time
+
 import pytest
 
 from kiln import LLM, SamplingParams
@@ -115,6 +117,31 @@ def test_aborting_the_only_request_leaves_nothing_unfinished(engines):
     assert not engine.has_unfinished()
     assert engine.scheduler.block_manager.num_free_blocks == SMALL["num_kv_blocks"]
     assert engine.step() == []
+
+
+def test_each_step_duration_goes_to_the_batch_that_ran(engines, monkeypatch):
+    # The time budget's cost model learns from (batch, seconds): with a step in flight that is the
+    # launched batch, timed until its tokens arrive, not the batch of the step() call that waited
+    # for them. The second launched step is made slow (its tokens take 1 s to read).
+    _, overlapped = engines
+    engine = overlapped.engine
+    launched, observed = [], []
+    real_launch = engine.runner.launch
+
+    def launch(batch):
+        step = real_launch(batch)
+        launched.append(batch)
+        if len(launched) == 2:
+            read = step.results
+            step.results = lambda: time.sleep(1.0) or read()
+        return step
+
+    monkeypatch.setattr(engine.runner, "launch", launch)
+    monkeypatch.setattr(engine.scheduler, "observe", lambda batch, seconds: observed.append((batch, seconds)))
+    overlapped.generate(PROMPTS[:3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert len(launched) >= 5 and [batch for batch, _ in observed] == launched
+    seconds = [s for _, s in observed]
+    assert seconds[1] >= 1.0 and max(seconds[:1] + seconds[2:]) < 1.0, seconds
 
 
 def test_defaults_and_refusal():

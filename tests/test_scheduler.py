@@ -88,26 +88,54 @@ def test_a_time_budget_cuts_prefill_chunks_and_never_decodes():
     decoders = [_seq(f"d{i}", 2) for i in range(8)]
     for d in decoders:
         sched.add(d)
-    _run(sched.schedule())  # their prompts: 16 tokens, too few to cost a step
+    batch = sched.schedule()  # their prompts: 2 tokens each, too few to cost
+    _run(batch)
+    sched.observe(batch, 0.3)
     assert sched.seconds_per_token is None
     long = _seq("long", 1500)
     sched.add(long)
     batch = sched.schedule()  # no cost known yet: a first chunk of fixed size
     assert batch.num_new_tokens == [1] * 8 + [FIRST_PREFILL_TOKENS]
     _run(batch)
-    sched.observe(batch, batch.num_tokens * 0.01)  # 10 ms a token: 100 tokens fit in the second
+    sched.observe(batch, FIRST_PREFILL_TOKENS * 0.01)  # no fixed part known: all of it is the prefill's
     batch = sched.schedule()
-    assert batch.num_new_tokens == [1] * 8 + [100]
+    assert batch.num_new_tokens == [1] * 8 + [100]  # 10 ms a token: 100 fit in the second
     _run(batch)
-    sched.observe(batch, 108 * 0.1)  # much slower (the context grew): the cost moves half way
+    sched.observe(batch, 100 * 0.1)  # much slower (the context grew): the cost moves half way
     assert abs(sched.seconds_per_token - 0.055) < 1e-9
     batch = sched.schedule()
     assert batch.num_new_tokens == [1] * 8 + [18]
     _run(batch)
-    sched.observe(batch, 26 * 10.0)  # too few tokens to cost: ignored
+    sched.observe(batch.__class__(batch.seqs, [1] * 8 + [20]), 10.0)  # too few prefill tokens to cost: ignored
     sched.observe(batch.__class__(batch.seqs, [40] * 9), 360 * 10.0)  # absurdly slow: floor
     batch = sched.schedule()
     assert batch.num_new_tokens == [1] * 8 + [MIN_PREFILL_TOKENS]  # every decode still runs
+
+
+def test_the_time_budget_puts_a_steps_fixed_part_on_no_token():
+    from kiln.engine.scheduler import MIN_PREFILL_TOKENS
+
+    # A GPU step: ~6 ms whatever it computes (the weights' read), +0.03 ms a prefill token. Its
+    # seconds over all its tokens would cut chunks until the budget's step holds ~70 tokens.
+    sched = Scheduler(BlockManager(4096, 16), max_num_seqs=32, max_num_batched_tokens=2048, max_step_seconds=0.012)
+    for i in range(20):
+        sched.add(_seq(f"d{i}", 1))
+    _run(sched.schedule())
+    decode_only = sched.schedule()
+    assert decode_only.num_new_tokens == [1] * 20
+    sched.observe(decode_only, 0.006)
+    assert sched.fixed_seconds == 0.006
+    sched.add(_seq("prompt", 4000))
+    batch = sched.schedule()
+    prefill = batch.num_new_tokens[-1]
+    sched.observe(batch, 0.006 + 0.00003 * prefill)
+    assert abs(sched.seconds_per_token - 0.00003) < 1e-12
+    _run(batch)
+    assert sched.schedule().num_new_tokens[-1] in (199, 200)  # (12 - 6) ms / 0.03 ms, rounded down
+    # Decode-only steps slower than the budget: prefill still moves, by the least chunk.
+    sched.observe(decode_only, 0.030)
+    sched.observe(decode_only, 0.030)
+    assert sched._prefill_tokens() == MIN_PREFILL_TOKENS
 
 
 def test_without_a_time_budget_only_tokens_bound_a_chunk():

@@ -71,6 +71,10 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}  # live requests: their sequences, one per choice
         self.async_scheduling = config.uses_async_scheduling
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step whose tokens come next
+        # ... and its batch and launch time, and when the step before it was seen done: its duration
+        # for the scheduler's time budget.
+        self._in_flight_batch: tuple[ScheduledBatch, float] | None = None
+        self._last_done = 0.0
         self._ids = itertools.count()
         # What start-up left lives as long as this engine: no full collection walks it while it runs.
         # So `del llm; gc.collect()` may not free it: the start's own cyclic garbage, frozen too, can
@@ -163,7 +167,7 @@ class LLMEngine:
         can build another engine. Requests not finished are dropped; the engine takes no more."""
         thaw_heap()  # the runner's shutdown collects the cycles its compiled forward leaves
         self.runner.shutdown()
-        self._in_flight = None
+        self._in_flight = self._in_flight_batch = None
         self.is_shut_down = True
 
     def _check_running(self) -> None:
@@ -194,19 +198,33 @@ class LLMEngine:
             try:
                 launched = self.runner.launch(batch)
             except BaseException:
-                self._in_flight = None  # the caller aborts what ran: nothing is left to read
+                self._in_flight = self._in_flight_batch = None  # the caller aborts what ran: nothing is left to read
                 raise
             self._advance(batch)
             for seq in launched.seqs:
                 seq.num_pending_tokens += 1
             previous, self._in_flight = self._in_flight, launched
-            outputs = self._collect(previous.results(), pending=True) if previous is not None else []
+            previous_batch, self._in_flight_batch = self._in_flight_batch, (batch, start)
+            outputs = self._collect(self._results(previous, previous_batch), pending=True) \
+                if previous is not None else []
         else:
             sampled = self.runner.execute(batch)
             self._advance(batch)
             outputs = self._collect(sampled, pending=False)
-        self.scheduler.observe(batch, time.perf_counter() - start)
+            self.scheduler.observe(batch, time.perf_counter() - start)
         return early + outputs
+
+    def _results(self, launched: LaunchedStep, batch: tuple[ScheduledBatch, float] | None) -> list[SampledToken]:
+        """A launched step's tokens, and its duration to the scheduler: from its launch, or from the
+        step before it being done if that was later (the device runs steps one after the other),
+        to its own tokens being here. Not the wall time of the step() that launched it: that is
+        its launch plus the wait for the step before."""
+        sampled = launched.results()
+        done = time.perf_counter()
+        if batch is not None:
+            self.scheduler.observe(batch[0], done - max(batch[1], self._last_done))
+        self._last_done = done
+        return sampled
 
     def _structured_in_flight(self) -> bool:
         return any(s.matcher is not None and not s.finished for s in self._in_flight.seqs)
@@ -214,7 +232,8 @@ class LLMEngine:
     def drain(self) -> list[RequestOutput]:
         """The outputs of the step in flight (async scheduling), launching nothing new."""
         previous, self._in_flight = self._in_flight, None
-        return self._collect(previous.results(), pending=True) if previous is not None else []
+        previous_batch, self._in_flight_batch = self._in_flight_batch, None
+        return self._collect(self._results(previous, previous_batch), pending=True) if previous is not None else []
 
     @staticmethod
     def _advance(batch: ScheduledBatch) -> None:

@@ -7,9 +7,12 @@ When blocks run out, the most recently admitted running sequence is preempted: i
 are freed and it goes back to the front of the queue, to be recomputed later.
 
 With a time budget (max_step_seconds: the CPU's default), prefill chunks are also cut to what
-the last prefill steps' cost per token says fits in that many seconds, so that no step outlives
-a shutdown deadline or stalls the decodes beside it for long (on the 2-core CPU one 2048-token
-chunk of a 7.4k-token prompt took ~11 s). Decode tokens are never cut.
+fits in that many seconds, so that no step outlives a shutdown deadline or stalls the decodes
+beside it for long (on the 2-core CPU one 2048-token chunk of a 7.4k-token prompt took ~11 s).
+A step's seconds are read as a fixed part, what the recent steps without prefill took (on a GPU
+the weights' read: most of a step), plus a cost per prefill token. Dividing a step's seconds by
+all its tokens instead put the fixed part on every token: on an H100 at 32 req/s with an 8 ms
+budget, the chunks shrank until the queue starved (TTFT p50 72 s). Decode tokens are never cut.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ class ScheduledBatch:
 # and the fewest a step may take (so that a slow step still makes progress).
 FIRST_PREFILL_TOKENS = 256
 MIN_PREFILL_TOKENS = 16
-# A step informs the cost per token when it computes at least this many tokens (below, fixed
-# per-step costs dominate).
+# A step informs the cost per prefill token when it computes at least this many (below, the
+# noise in the fixed part dominates).
 COSTED_STEP_TOKENS = 32
 
 
@@ -50,17 +53,28 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_step_seconds = max_step_seconds
-        self.seconds_per_token: float | None = None  # of recent prefill steps, when time-budgeted
+        # Under a time budget, from recent steps: the seconds of a step without prefill tokens, and
+        # each prefill token's seconds on top of that.
+        self.fixed_seconds: float | None = None
+        self.seconds_per_token: float | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
-        """A step's duration: updates the cost per token the time budget divides by."""
-        if self.max_step_seconds is None or batch.num_tokens < COSTED_STEP_TOKENS:
+        """A step's duration: updates the fixed part and the cost per prefill token the time budget uses."""
+        if self.max_step_seconds is None:
             return
-        cost = seconds / batch.num_tokens
-        # Half the weight on the newest: attention's cost per token grows along a long prompt.
+        prefill = sum(n for n in batch.num_new_tokens if n > 1)
+        # Half the weight on the newest: a batch's decodes come and go, and attention's cost per
+        # token grows along a long prompt.
+        if prefill == 0:
+            self.fixed_seconds = seconds if self.fixed_seconds is None else (self.fixed_seconds + seconds) / 2
+            return
+        if prefill < COSTED_STEP_TOKENS:
+            return
+        # Past the fixed part (none known yet: all of it), never below nothing.
+        cost = max(seconds - (self.fixed_seconds or 0.0), 0.0) / prefill
         self.seconds_per_token = cost if self.seconds_per_token is None else (self.seconds_per_token + cost) / 2
 
     def _prefill_tokens(self) -> int:
@@ -69,7 +83,10 @@ class Scheduler:
             return self.max_num_batched_tokens
         if self.seconds_per_token is None:
             return FIRST_PREFILL_TOKENS
-        return max(MIN_PREFILL_TOKENS, int(self.max_step_seconds / self.seconds_per_token))
+        left = self.max_step_seconds - (self.fixed_seconds or 0.0)
+        if self.seconds_per_token == 0.0:
+            return self.max_num_batched_tokens if left > 0 else MIN_PREFILL_TOKENS
+        return max(MIN_PREFILL_TOKENS, min(self.max_num_batched_tokens, int(left / self.seconds_per_token)))
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
