@@ -11,8 +11,9 @@ fits in that many seconds, so that no step outlives a shutdown deadline or stall
 beside it for long (on the 2-core CPU one 2048-token chunk of a 7.4k-token prompt took ~11 s).
 A step's seconds are read as a fixed part, what the recent steps without prefill took (on a GPU
 the weights' read: most of a step), plus a cost per prefill token. Dividing a step's seconds by
-all its tokens instead put the fixed part on every token: on an H100 at 32 req/s with an 8 ms
-budget, the chunks shrank until the queue starved (TTFT p50 72 s). Decode tokens are never cut.
+all its tokens instead put the fixed part (~6 ms of an 8B model's step on an H100) on every
+token, several times the real cost; with an 8 ms budget at 32 req/s the queue starved (TTFT p50
+72 s). Decode tokens are never cut.
 """
 
 from __future__ import annotations
