@@ -173,6 +173,8 @@ def main():
     p.add_argument("--prefill-lengths", type=int, nargs="*", default=[],
                    help="with --prefill-only: these prompt lengths too, each with a short list of tiles")
     args = p.parse_args()
+    if args.prefill_lengths and not args.prefill_only:
+        p.error("--prefill-lengths needs --prefill-only")
     device = "cuda"
     copy_rate, matmul_rate = measure_copy(device, torch.bfloat16), measure_matmul(device, torch.bfloat16)
     print(f"copy {copy_rate / 1e12:.2f} TB/s, matmul {matmul_rate / 1e12:.0f} TFLOP/s")
@@ -189,7 +191,7 @@ def main():
     result = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_rate,
               "matmul_flops_per_s": matmul_rate, "prefill": prefill_case(matmul_rate, prefill_sweep, device),
               "prefill_lengths": [prefill_case(matmul_rate, short_sweep, device, tokens)
-                                  for tokens in args.prefill_lengths] if args.prefill_only else [],
+                                  for tokens in args.prefill_lengths],
               "decode": [] if args.prefill_only else decode_cases(copy_rate, sweep, device)}
     name = "prefill_attention_cuda" if args.prefill_only else "decode_attention_cuda"
     path = Path(args.out) / f"{name}{'' if args.quick else '_sweep'}.json"
