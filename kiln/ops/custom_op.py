@@ -108,9 +108,9 @@ def register_direct_kernels() -> None:
 
     Compiled code calls the ops through torch's dispatcher (`call`'s shortcut is for eager
     layers). custom_op's register_kernel puts a kernel behind torch's Python wrappers (device
-    lookup, the outputs' aliasing check): ~2.3 us more a call on this CPU, and ~6-10% of the
-    engine thread's time in -O2 serving on the H100 host (py-spy), where mixed steps too large
-    for a CUDA graph run the compiled pieces. Fake tensors, Dynamo and dispatch modes see the
+    lookup, the outputs' aliasing check): ~2.3 us more a call on the dev CPU (torch 2.13), and
+    6-10% of the engine thread's time in -O2 serving on an H100 host (py-spy), where mixed steps
+    too large for a CUDA graph run the compiled pieces. Fake tensors, Dynamo and dispatch modes see the
     op as before. Run once every op and kernel is defined (kiln.ops does); idempotent.
     """
     for op, functions in _functions.items():
