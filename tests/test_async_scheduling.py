@@ -120,15 +120,19 @@ def test_aborting_the_only_request_leaves_nothing_unfinished(engines):
 
 
 def test_each_step_duration_goes_to_the_batch_that_ran(engines, monkeypatch):
-    # The time budget's cost model learns from (batch, seconds): with a step in flight that is the
-    # launched batch, timed until its tokens arrive, not the batch of the step() call that waited
-    # for them. The second launched step is made slow (its tokens take 1 s to read).
+    # The time budget's cost model learns from (batch, seconds). On the CPU a step's work is its
+    # launch (the forward runs there); on a GPU the device times it (LaunchedStep.device_seconds).
+    # Neither is the wall time of the step() call, which also waits for the step before. Here the
+    # second step's tokens take 1 s to read (charged to no step) and the fourth's launch 0.5 s.
     _, overlapped = engines
     engine = overlapped.engine
+    engine.drain()  # a step an earlier test left in flight
     launched, observed = [], []
     real_launch = engine.runner.launch
 
     def launch(batch):
+        if len(launched) == 3:
+            time.sleep(0.5)
         step = real_launch(batch)
         launched.append(batch)
         if len(launched) == 2:
@@ -141,7 +145,20 @@ def test_each_step_duration_goes_to_the_batch_that_ran(engines, monkeypatch):
     overlapped.generate(PROMPTS[:3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert len(launched) >= 5 and [batch for batch, _ in observed] == launched
     seconds = [s for _, s in observed]
-    assert seconds[1] >= 1.0 and max(seconds[:1] + seconds[2:]) < 1.0, seconds
+    assert seconds[3] >= 0.5 and max(seconds[:3] + seconds[4:]) < 0.5, seconds
+
+
+def test_an_idle_engines_last_step_is_not_timed_through_the_idle_time(engines, monkeypatch):
+    # A stop ends a request with its next step in flight; nothing reads it until the next request.
+    _, overlapped = engines
+    engine = overlapped.engine
+    observed = []
+    monkeypatch.setattr(engine.scheduler, "observe", lambda batch, seconds: observed.append(seconds))
+    overlapped.generate("The capital of France is", SamplingParams(max_tokens=24, temperature=0, stop=["."]))
+    assert engine._in_flight is not None  # the stop came with the next step launched
+    time.sleep(1.0)
+    overlapped.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert observed and max(observed) < 1.0, observed
 
 
 def test_defaults_and_refusal():

@@ -71,10 +71,9 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}  # live requests: their sequences, one per choice
         self.async_scheduling = config.uses_async_scheduling
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step whose tokens come next
-        # ... and its batch and launch time, and when the step before it was seen done: its duration
-        # for the scheduler's time budget.
+        # ... and its batch and the seconds its launch took (what the scheduler's time budget learns
+        # from where the device cannot time the step: on the CPU the launch runs the forward).
         self._in_flight_batch: tuple[ScheduledBatch, float] | None = None
-        self._last_done = 0.0
         self._ids = itertools.count()
         # What start-up left lives as long as this engine: no full collection walks it while it runs.
         # So `del llm; gc.collect()` may not free it: the start's own cyclic garbage, frozen too, can
@@ -197,6 +196,7 @@ class LLMEngine:
         if self.async_scheduling:
             try:
                 launched = self.runner.launch(batch)
+                launch_seconds = time.perf_counter() - start
             except BaseException:
                 self._in_flight = self._in_flight_batch = None  # the caller aborts what ran: nothing is left to read
                 raise
@@ -204,7 +204,7 @@ class LLMEngine:
             for seq in launched.seqs:
                 seq.num_pending_tokens += 1
             previous, self._in_flight = self._in_flight, launched
-            previous_batch, self._in_flight_batch = self._in_flight_batch, (batch, start)
+            previous_batch, self._in_flight_batch = self._in_flight_batch, (batch, launch_seconds)
             outputs = self._collect(self._results(previous, previous_batch), pending=True) \
                 if previous is not None else []
         else:
@@ -215,15 +215,13 @@ class LLMEngine:
         return early + outputs
 
     def _results(self, launched: LaunchedStep, batch: tuple[ScheduledBatch, float] | None) -> list[SampledToken]:
-        """A launched step's tokens, and its duration to the scheduler: from its launch, or from the
-        step before it being done if that was later (the device runs steps one after the other),
-        to its own tokens being here. Not the wall time of the step() that launched it: that is
-        its launch plus the wait for the step before."""
+        """A launched step's tokens; the scheduler learns the step's duration. Not the wall time of
+        the step() that launched it (its launch plus the wait for the step before), nor the time
+        until its tokens are read (an engine gone idle reads its last step much later)."""
         sampled = launched.results()
-        done = time.perf_counter()
         if batch is not None:
-            self.scheduler.observe(batch[0], done - max(batch[1], self._last_done))
-        self._last_done = done
+            seconds = launched.device_seconds()
+            self.scheduler.observe(batch[0], batch[1] if seconds is None else seconds)
         return sampled
 
     def _structured_in_flight(self) -> bool:

@@ -518,10 +518,19 @@ class ModelRunner:
                                f"the token the step in flight samples for it can be read from the GPU")
         return index
 
-    @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> "LaunchedStep":
         """Queue one step on the device (the forward, the logits, sampling, and the copy of the
         tokens to the host) and return without waiting for it."""
+        started = None
+        if self.device.type == "cuda":  # the device's time for the step: LaunchedStep.device_seconds
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
+        launched = self._launch(batch)
+        launched.started = started
+        return launched
+
+    @torch.inference_mode()
+    def _launch(self, batch: ScheduledBatch) -> "LaunchedStep":
         step = self.prepare(batch)
         with set_forward_context(step.attn_metadata, self.kv_caches):
             hidden, head = self.cudagraphs.run(step.cudagraph, step.input_ids, step.positions)
@@ -617,6 +626,7 @@ class LaunchedStep:
     copied: torch.cuda.Event | None  # None on the CPU, where the copy has already happened
     logprobs: tuple[list[int], TokenLogprobs] | None = None  # the rows that asked, and theirs
     prompt_logprobs: list[tuple] = dataclasses.field(default_factory=list)  # see ModelRunner._prompt_logprobs
+    started: torch.cuda.Event | None = None  # recorded before the step's first work was queued
 
     @classmethod
     def of(cls, seqs: list[Sequence], tokens: torch.Tensor, logprobs: tuple[list[int], TokenLogprobs] | None = None,
@@ -630,9 +640,17 @@ class LaunchedStep:
             return cls(seqs, tokens, None, logprobs, prompt_logprobs)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
+        copied = torch.cuda.Event(enable_timing=True)
         copied.record()
         return cls(seqs, host, copied, logprobs, prompt_logprobs)
+
+    def device_seconds(self) -> float | None:
+        """After results(): the device's time from reaching the step's first work to its tokens'
+        copy, so neither the wait behind the step before nor any idle time after it; the gaps
+        while the host was still queueing the step count. None on the CPU."""
+        if self.started is None or self.copied is None:
+            return None
+        return self.started.elapsed_time(self.copied) / 1e3
 
     def results(self) -> list[SampledToken]:
         """Each sampled token (with its log probabilities, if asked for); waits for the step to
