@@ -132,6 +132,16 @@ def test_the_time_budget_puts_a_steps_fixed_part_on_no_token():
     assert abs(sched.seconds_per_token - 0.00003) < 1e-12
     _run(batch)
     assert sched.schedule().num_new_tokens[-1] in (199, 200)  # (12 - 6) ms / 0.03 ms, rounded down
+    # One step 20x too slow (a compile, a collection) shrinks the chunk below what is costed by
+    # size alone; steps that took all they were allowed still correct it.
+    sched.observe(batch, 0.006 + 20 * 0.00003 * prefill)
+    chunks = []
+    for _ in range(8):
+        small = sched.schedule()
+        chunks.append(small.num_new_tokens[-1])
+        sched.observe(small, 0.006 + 0.00003 * small.num_new_tokens[-1])
+        _run(small)
+    assert chunks[0] < 32 and chunks[-1] >= 150, chunks
     # Decode-only steps slower than the budget: prefill still moves, by the least chunk.
     sched.observe(decode_only, 0.030)
     sched.observe(decode_only, 0.030)

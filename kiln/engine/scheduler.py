@@ -31,6 +31,7 @@ from kiln.engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens of each sequence computed this step
+    prefill_allowance: int | None = None  # prefill tokens the step was allowed (under a time budget)
 
     @property
     def num_tokens(self) -> int:
@@ -72,7 +73,9 @@ class Scheduler:
         if prefill == 0:
             self.fixed_seconds = seconds if self.fixed_seconds is None else (self.fixed_seconds + seconds) / 2
             return
-        if prefill < COSTED_STEP_TOKENS:
+        # Too few tokens to cost, unless they were all it was allowed: an estimate too high would
+        # otherwise never be corrected once it allows fewer than that.
+        if prefill < min(COSTED_STEP_TOKENS, batch.prefill_allowance or COSTED_STEP_TOKENS):
             return
         # Past the fixed part (none known yet: all of it), never below nothing.
         cost = max(seconds - (self.fixed_seconds or 0.0), 0.0) / prefill
@@ -96,9 +99,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
-        batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
         prefill_budget = self._prefill_tokens()
+        batch = ScheduledBatch([], [], prefill_budget)
         preempted = False
         for seq in self.running:
             self.block_manager.cache_full_blocks(seq)  # what the last steps filled, for later prompts
