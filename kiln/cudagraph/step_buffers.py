@@ -82,8 +82,9 @@ class StepBuffers:
         self.query_start_loc[: num_seqs + 1].copy_(slot.seqs[1, : num_seqs + 1], non_blocking=self._pin)
         if step.block_tables:
             width = max(len(t) for t in step.block_tables)
-            slot.tables_np[:s, :width] = [t + [0] * (width - len(t)) for t in step.block_tables]
-            self.block_tables[:s, :width].copy_(slot.tables[:s, :width], non_blocking=self._pin)
+            # Staged contiguous (s x width), so that the copy's source is the pinned memory itself.
+            slot.tables_np[: s * width].reshape(s, width)[:] = [t + [0] * (width - len(t)) for t in step.block_tables]
+            self.block_tables[:s, :width].copy_(slot.tables[: s * width].view(s, width), non_blocking=self._pin)
         if self._pin:
             slot.copied = slot.copied or torch.cuda.Event()
             slot.copied.record()
@@ -102,6 +103,6 @@ class _Staging:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, pin: bool):
         self.tokens = torch.empty(3, max_tokens, dtype=torch.long, pin_memory=pin)  # ids, positions, slots
         self.seqs = torch.empty(2, max_seqs + 1, dtype=torch.int32, pin_memory=pin)  # seq_lens, query starts
-        self.tables = torch.empty(max_seqs, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.tables = torch.empty(max_seqs * max_blocks, dtype=torch.int32, pin_memory=pin)
         self.tokens_np, self.seqs_np, self.tables_np = self.tokens.numpy(), self.seqs.numpy(), self.tables.numpy()
         self.copied: torch.cuda.Event | None = None  # recorded after the last step's copies from here
