@@ -90,3 +90,12 @@ def test_every_kiln_op_has_its_function_on_the_device_keys():
         for key in DIRECT_DEVICES.values():
             active = [line for line in registrations if line.startswith(f"{key}: ")]
             assert len(active) == 1 and "kiln/ops/custom_op.py" in active[0], (name, registrations)
+
+
+def test_a_kernel_defined_after_registration_is_refused():
+    # It would reach `call` (eager layers) but not the dispatcher (compiled code): two functions for one op.
+    from kiln.ops.custom_op import kernel
+    from kiln.ops.norm import rms_norm_op
+
+    with pytest.raises(RuntimeError, match="define it in kiln.ops"):
+        kernel(rms_norm_op, "cpu")(lambda x, weight, eps, unit_offset=False: x)

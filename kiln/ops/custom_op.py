@@ -97,6 +97,9 @@ def kernel(op, device_type: str):
     """The op's kernel on `device_type`, for `call` and (register_direct_kernels) the dispatcher."""
 
     def register(fn):
+        if (_qualnames[op], DIRECT_DEVICES.get(device_type)) in _registered:
+            raise RuntimeError(f"{_qualnames[op]}: a {device_type} kernel defined after kiln.ops registered the "
+                               f"ops' kernels would reach `call` but not the dispatcher; define it in kiln.ops")
         _functions[op][device_type] = fn
         return fn
 
