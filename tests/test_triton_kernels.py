@@ -668,6 +668,7 @@ def test_long_prompts_take_128_row_tiles():
     tiles = choose_tiles(2048, 4, 64)
     assert (tiles.block_m, tiles.block_n, tiles.heads_first) == (128, 64, True)
     assert choose_tiles(1024, 4, 128).block_m == 64 and choose_tiles(2048, 256, 128).block_m == 256
+    assert choose_tiles(2048, 4, 128, element_size=4).block_m == 64  # fp32's tiles would not fit shared memory
     batch = PagedBatch(**MIXED, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
     assert_attention_matches(batch, batch.kernel_output(tiles=tiles), batch.reference_output())
 

@@ -118,8 +118,9 @@ class AttentionTiles:
 
 @functools.cache
 def choose_tiles(max_query_len: int, group: int, head_dim: int, programs: int = 1,
-                 device: torch.device | None = None) -> AttentionTiles:
-    """`programs`: sequences x kv heads of the launch (only decode looks at it)."""
+                 device: torch.device | None = None, element_size: int = 2) -> AttentionTiles:
+    """`programs`: sequences x kv heads of the launch (only decode looks at it); `element_size`:
+    the bytes of the query's and cache's dtype."""
     # tl.dot needs at least 16 rows; a decode tile is one token's GROUP heads, padded to 16.
     rows_needed = _pow2(group)
     block_m = max(16 if max_query_len == 1 else 64, rows_needed)
@@ -129,10 +130,11 @@ def choose_tiles(max_query_len: int, group: int, head_dim: int, programs: int = 
         # 107 us; alone, either order left it at 132).
         if head_dim > 128:
             return AttentionTiles(block_m=block_m, block_n=32, num_warps=4, heads_first=True)
-        if max_query_len >= 2048:
+        if max_query_len >= 2048 and element_size <= 2:
             # Long prompts amortize a taller tile's keys over twice the rows (decode_attention.py
             # --prefill-lengths, H100, 32/8 heads d128: 2048 tokens 105 -> 95 us, 8192 1580 ->
-            # 1310 us); up to 1024 tokens the 64-row tile was 1.3-1.7x faster.
+            # 1310 us); up to 1024 tokens the 64-row tile was 1.3-1.7x faster. Not in fp32: its
+            # key and value tiles at Triton's default depth would need ~200 KB of shared memory.
             return AttentionTiles(block_m=max(block_m, 128), block_n=64, num_warps=4, heads_first=True)
         return AttentionTiles(block_m=block_m, block_n=64, num_warps=4, num_stages=2, heads_first=True)
     sms = _multiprocessor_count(device or torch.device("cpu"))
@@ -245,7 +247,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     group = num_heads // num_kv_heads
     chosen = tiles is None
-    tiles = tiles or choose_tiles(meta.max_query_len, group, head_dim, num_seqs * num_kv_heads, query.device)
+    tiles = tiles or choose_tiles(meta.max_query_len, group, head_dim, num_seqs * num_kv_heads, query.device,
+                                  query.element_size())
     splits = choose_kv_splits(meta, num_kv_heads, query.device, head_dim) if kv_splits is None else kv_splits
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"paged_attention: kv_splits must be a power of two, got {splits}")
