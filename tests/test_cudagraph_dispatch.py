@@ -166,6 +166,25 @@ def test_step_buffers_pad_tokens_and_sequences():
         buffers.load(step, num_tokens=32, num_seqs=4, max_query_len=1, max_seq_len=1)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned staging ring and its events need a GPU")
+def test_step_buffers_staging_ring_waits_for_its_copies_on_cuda():
+    # The stream is held up, so the host loads more steps than there are staging slots before any
+    # copy has run: a slot written again too early would hand an older step the newer one's values.
+    from kiln.cudagraph.step_buffers import STAGING_SLOTS
+
+    buffers = StepBuffers(max_tokens=64, max_seqs=4, max_blocks_per_seq=8, device=torch.device("cuda"))
+    torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time ahead of the copies
+    seen = []
+    for i in range(2 * STAGING_SLOTS + 1):
+        step = PackedStep(input_ids=[i] * 5, positions=[i] * 5, slots=[i] * 5, block_tables=[[i, i]],
+                          seq_lens=[i + 5], query_start_loc=[0, 5])
+        ids, pos, meta = buffers.load(step, num_tokens=8, num_seqs=2, max_query_len=5, max_seq_len=64)
+        seen.append((ids.clone(), meta.block_tables[:1, :2].clone(), meta.seq_lens.clone()))
+    torch.cuda.synchronize()
+    for i, (ids, tables, seq_lens) in enumerate(seen):
+        assert ids.tolist() == [i] * 5 + [0] * 3 and tables.tolist() == [[i, i]] and seq_lens.tolist() == [i + 5, 0]
+
+
 def test_weak_view_aliases_without_owning():
     t = torch.arange(6.0).view(2, 3)[:, 1:]
     w = weak_view(t)
