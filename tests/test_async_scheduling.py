@@ -128,7 +128,7 @@ def test_each_step_duration_goes_to_the_batch_that_ran(engines, monkeypatch):
     engine = overlapped.engine
     engine.drain()  # a step an earlier test left in flight
     launched, observed = [], []
-    real_launch = engine.runner.launch
+    real_launch = engine.runner._launch
 
     def launch(batch):
         if len(launched) == 3:
@@ -140,7 +140,7 @@ def test_each_step_duration_goes_to_the_batch_that_ran(engines, monkeypatch):
             step.results = lambda: time.sleep(1.0) or read()
         return step
 
-    monkeypatch.setattr(engine.runner, "launch", launch)
+    monkeypatch.setattr(engine.runner, "_launch", launch)
     monkeypatch.setattr(engine.scheduler, "observe", lambda batch, seconds: observed.append((batch, seconds)))
     overlapped.generate(PROMPTS[:3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert len(launched) >= 5 and [batch for batch, _ in observed] == launched

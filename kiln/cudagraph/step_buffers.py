@@ -64,7 +64,7 @@ class StepBuffers:
                              f"does not fit buffers of {self.max_tokens} / {self.max_seqs}")
         slot = self._staging[self._next_staging]
         self._next_staging = (self._next_staging + 1) % len(self._staging)
-        if slot.copied is not None:  # its copies of STAGING_SLOTS steps ago: long done, as a rule
+        if self._pin:  # its copies of STAGING_SLOTS steps ago: long done, as a rule
             slot.copied.synchronize()
         # Filled through numpy: a list goes in without a temporary tensor.
         tokens, seqs = slot.tokens_np, slot.seqs_np
@@ -86,7 +86,6 @@ class StepBuffers:
             slot.tables_np[: s * width].reshape(s, width)[:] = [t + [0] * (width - len(t)) for t in step.block_tables]
             self.block_tables[:s, :width].copy_(slot.tables[: s * width].view(s, width), non_blocking=self._pin)
         if self._pin:
-            slot.copied = slot.copied or torch.cuda.Event()
             slot.copied.record()
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens], block_tables=self.block_tables[:num_seqs],
@@ -105,4 +104,5 @@ class _Staging:
         self.seqs = torch.empty(2, max_seqs + 1, dtype=torch.int32, pin_memory=pin)  # seq_lens, query starts
         self.tables = torch.empty(max_seqs * max_blocks, dtype=torch.int32, pin_memory=pin)
         self.tokens_np, self.seqs_np, self.tables_np = self.tokens.numpy(), self.seqs.numpy(), self.tables.numpy()
-        self.copied: torch.cuda.Event | None = None  # recorded after the last step's copies from here
+        # Recorded after the last step's copies from here (waiting on one never recorded returns at once).
+        self.copied = torch.cuda.Event() if pin else None

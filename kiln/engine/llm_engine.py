@@ -71,9 +71,6 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}  # live requests: their sequences, one per choice
         self.async_scheduling = config.uses_async_scheduling
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step whose tokens come next
-        # ... and its batch and the seconds its launch took (what the scheduler's time budget learns
-        # from where the device cannot time the step: on the CPU the launch runs the forward).
-        self._in_flight_batch: tuple[ScheduledBatch, float] | None = None
         self._ids = itertools.count()
         # What start-up left lives as long as this engine: no full collection walks it while it runs.
         # So `del llm; gc.collect()` may not free it: the start's own cyclic garbage, frozen too, can
@@ -166,7 +163,7 @@ class LLMEngine:
         can build another engine. Requests not finished are dropped; the engine takes no more."""
         thaw_heap()  # the runner's shutdown collects the cycles its compiled forward leaves
         self.runner.shutdown()
-        self._in_flight = self._in_flight_batch = None
+        self._in_flight = None
         self.is_shut_down = True
 
     def _check_running(self) -> None:
@@ -196,17 +193,14 @@ class LLMEngine:
         if self.async_scheduling:
             try:
                 launched = self.runner.launch(batch)
-                launch_seconds = time.perf_counter() - start
             except BaseException:
-                self._in_flight = self._in_flight_batch = None  # the caller aborts what ran: nothing is left to read
+                self._in_flight = None  # the caller aborts what ran: nothing is left to read
                 raise
             self._advance(batch)
             for seq in launched.seqs:
                 seq.num_pending_tokens += 1
             previous, self._in_flight = self._in_flight, launched
-            previous_batch, self._in_flight_batch = self._in_flight_batch, (batch, launch_seconds)
-            outputs = self._collect(self._results(previous, previous_batch), pending=True) \
-                if previous is not None else []
+            outputs = self._collect(self._results(previous), pending=True) if previous is not None else []
         else:
             sampled = self.runner.execute(batch)
             self._advance(batch)
@@ -214,14 +208,14 @@ class LLMEngine:
             self.scheduler.observe(batch, time.perf_counter() - start)
         return early + outputs
 
-    def _results(self, launched: LaunchedStep, batch: tuple[ScheduledBatch, float] | None) -> list[SampledToken]:
-        """A launched step's tokens; the scheduler learns the step's duration. Not the wall time of
-        the step() that launched it (its launch plus the wait for the step before), nor the time
-        until its tokens are read (an engine gone idle reads its last step much later)."""
+    def _results(self, launched: LaunchedStep) -> list[SampledToken]:
+        """A launched step's tokens; the scheduler learns the step's duration (LaunchedStep.seconds).
+        Not the wall time of the step() that launched it (its launch plus the wait for the step
+        before), nor the time until its tokens are read (an engine gone idle reads its last step
+        much later)."""
         sampled = launched.results()
-        if batch is not None:
-            seconds = launched.device_seconds()
-            self.scheduler.observe(batch[0], batch[1] if seconds is None else seconds)
+        if launched.batch is not None:
+            self.scheduler.observe(launched.batch, launched.seconds())
         return sampled
 
     def _structured_in_flight(self) -> bool:
@@ -230,8 +224,7 @@ class LLMEngine:
     def drain(self) -> list[RequestOutput]:
         """The outputs of the step in flight (async scheduling), launching nothing new."""
         previous, self._in_flight = self._in_flight, None
-        previous_batch, self._in_flight_batch = self._in_flight_batch, None
-        return self._collect(self._results(previous, previous_batch), pending=True) if previous is not None else []
+        return self._collect(self._results(previous), pending=True) if previous is not None else []
 
     @staticmethod
     def _advance(batch: ScheduledBatch) -> None:

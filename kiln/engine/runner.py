@@ -522,11 +522,12 @@ class ModelRunner:
         """Queue one step on the device (the forward, the logits, sampling, and the copy of the
         tokens to the host) and return without waiting for it."""
         started = None
-        if self.device.type == "cuda":  # the device's time for the step: LaunchedStep.device_seconds
+        if self.device.type == "cuda":  # the device's time for the step: LaunchedStep.seconds
             started = torch.cuda.Event(enable_timing=True)
             started.record()
+        begin = time.perf_counter()
         launched = self._launch(batch)
-        launched.started = started
+        launched.batch, launched.started, launched.launch_seconds = batch, started, time.perf_counter() - begin
         return launched
 
     @torch.inference_mode()
@@ -626,7 +627,9 @@ class LaunchedStep:
     copied: torch.cuda.Event | None  # None on the CPU, where the copy has already happened
     logprobs: tuple[list[int], TokenLogprobs] | None = None  # the rows that asked, and theirs
     prompt_logprobs: list[tuple] = dataclasses.field(default_factory=list)  # see ModelRunner._prompt_logprobs
+    batch: ScheduledBatch | None = None  # what was launched
     started: torch.cuda.Event | None = None  # recorded before the step's first work was queued
+    launch_seconds: float = 0.0  # the host's time in launch()
 
     @classmethod
     def of(cls, seqs: list[Sequence], tokens: torch.Tensor, logprobs: tuple[list[int], TokenLogprobs] | None = None,
@@ -644,12 +647,13 @@ class LaunchedStep:
         copied.record()
         return cls(seqs, host, copied, logprobs, prompt_logprobs)
 
-    def device_seconds(self) -> float | None:
-        """After results(): the device's time from reaching the step's first work to its tokens'
-        copy, so neither the wait behind the step before nor any idle time after it; the gaps
-        while the host was still queueing the step count. None on the CPU."""
+    def seconds(self) -> float:
+        """After results(): the step's time. On a GPU the device's, from reaching the step's first
+        work to its tokens' copy, so neither the wait behind the step before nor any idle time
+        after it (the gaps while the host was still queueing the step count); on the CPU its
+        launch's, which ran the forward."""
         if self.started is None or self.copied is None:
-            return None
+            return self.launch_seconds
         return self.started.elapsed_time(self.copied) / 1e3
 
     def results(self) -> list[SampledToken]:
