@@ -17,6 +17,9 @@ torch.compile(mode="reduce-overhead", fullgraph=True)) at batch 1, in the same r
 Bytecode is cached under a prefix, as on a pip install, primed by one untimed import.
 
 --profile: each start under cProfile, its stats written to --out and its top functions printed.
+--py-spy PY_SPY: each start sampled by py-spy instead (every thread, waiting ones too, 250 Hz; cProfile
+sees the main thread only, and a start's preload and kernel threads hold the GIL beside it): collapsed
+stacks in --out/pyspy_<device>_<mode>_<case>.txt, one line a stack, "thread (idx) ... ;frame;frame N".
 
 For each start: engine_ready_s (the engine's own timeline, weights included), process_ready_s
 (process spawned to engine ready: imports too), gaps_s (the set-up between the timeline's named
@@ -121,10 +124,16 @@ class Sandbox:
 
     def start(self, args, mode: str, case: str) -> dict:
         profile = Path(args.out) / f"profile_{args.device}_{mode}_{case}.pstats" if args.profile else None
+        sampler = []
+        if args.py_spy:
+            stacks = Path(args.out) / f"pyspy_{args.device}_{mode}_{case}.txt"
+            sampler = [args.py_spy, "record", "--threads", "--idle", "--rate", "250", "--format", "raw",
+                       "--output", str(stacks), "--"]
         spawned = time.time()
-        done = self.run([sys.executable, __file__, "--child", "--mode", mode, "--model", args.model,
+        done = self.run([*sampler, sys.executable, __file__, "--child", "--mode", mode, "--model", args.model,
                          "--device", args.device, *(["--profile-to", str(profile)] if profile else [])], args.timeout)
-        out = json.loads(done.stdout.strip().splitlines()[-1])
+        # The report is the child's last JSON line (py-spy adds lines of its own).
+        out = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
         out["process_ready_s"] = out.pop("ready_wall") - spawned
         if profile:
             print_profile(profile, f"{mode} {case}")
@@ -201,7 +210,11 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="run each start under cProfile: --out/profile_<device>_<mode>_<case>.pstats, and its top "
                         "functions printed (the times grow; compare the profiled starts with each other only)")
+    p.add_argument("--py-spy", metavar="PY_SPY",
+                   help="the py-spy binary: each start sampled by it (see the module's doc); the times grow a little")
     args = p.parse_args()
+    if args.profile and args.py_spy:
+        p.error("--profile and --py-spy each slow a start their own way: pass one")
     if args.device == "cpu" and "default" in args.modes and not args.child:
         p.error("the default mode keeps nothing in the cache on the CPU (no kernels, no graphs), so it has no "
                 "imported start: pass --modes O2")

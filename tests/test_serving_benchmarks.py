@@ -94,3 +94,16 @@ def test_the_floor_under_load_holds_the_concurrency_a_rate_brings_and_says_when_
     assert loaded > one / (1 - under_load["kv_read_fraction"])
     assert loaded == pytest.approx((decode_weight_bytes(moe, 2, math.ceil(batch)) + batch * serving.kv_bytes(
         moe, 2, 512 + 64)) / 3e12, rel=1e-6)
+
+
+def test_step_trace_records_every_token_computed(tmp_path):
+    report = _run("step_trace.py", tmp_path, "--model", "tiny-llama", "--rate", "100", "--num-prompts", "6",
+                  "--input-len", "20", "--output-len", "4", "--max-step-seconds", "1", "inf")
+    assert [r["max_step_seconds"] for r in report["runs"]] == [1.0, None]
+    for run in report["runs"]:
+        assert (run["sent"], run["cut_short"]) == (6, False)
+        # Each prompt's 20 tokens, then 3 decodes: its last token is sampled, never fed back.
+        assert sum(s["prefill"] + s["decodes"] for s in run["steps"]) == 6 * (20 + 3)
+        assert sum(b["steps"] for b in run["buckets"]) == len(run["steps"])
+    budgeted = report["runs"][0]["steps"]
+    assert all(s["allowed"] is not None for s in budgeted) and budgeted[-1]["fixed_s"] > 0
