@@ -154,3 +154,27 @@ def test_without_a_time_budget_only_tokens_bound_a_chunk():
     batch = sched.schedule()
     sched.observe(batch, 1000.0)
     assert batch.num_new_tokens == [1024] and sched.seconds_per_token is None
+
+
+def test_a_budget_no_step_with_prefill_can_keep_is_reported_once(caplog):
+    from kiln.engine.scheduler import MIN_PREFILL_TOKENS
+
+    # A GPU's eager mixed step: ~17 ms whatever its chunk, against a 12 ms budget and 8 ms decodes.
+    sched = Scheduler(BlockManager(4096, 16), max_num_seqs=32, max_num_batched_tokens=2048, max_step_seconds=0.012)
+    for i in range(4):
+        sched.add(_seq(f"d{i}", 1))
+    _run(sched.schedule())
+    decode_only = sched.schedule()
+    sched.observe(decode_only, 0.008)
+    sched.add(_seq("prompt", 4000))
+    chunks = []
+    with caplog.at_level("WARNING", logger="kiln"):
+        for _ in range(12):
+            batch = sched.schedule()
+            chunks.append(batch.num_new_tokens[-1])
+            sched.observe(batch, 0.017)
+            _run(batch)
+    assert chunks[-1] == MIN_PREFILL_TOKENS, chunks
+    warnings = [r.getMessage() for r in caplog.records if "max_step_seconds" in r.getMessage()]
+    assert len(warnings) == 1 and "0.012" in warnings[0] and "Raise --max-step-seconds" in warnings[0]
+    assert sched.warned_budget_too_small

@@ -14,17 +14,23 @@ the weights' read: most of a step), plus a cost per prefill token. Dividing a st
 all its tokens instead put the fixed part (~6 ms of an 8B model's step on an H100) on every
 token, several times the real cost; with an 8 ms budget at 32 req/s the queue starved (TTFT p50
 72 s). Decode tokens are never cut.
+
+A budget holds only above what the smallest step with prefill costs. On a GPU that is the eager
+forward's launches (13-17 ms for an 8B model on an H100, by host), whatever the chunk: below it
+every chunk shrinks to MIN_PREFILL_TOKENS and the queue grows, which the scheduler logs once.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-
 from collections import deque
 from dataclasses import dataclass
 
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("kiln")
 
 
 @dataclass
@@ -62,6 +68,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.warned_budget_too_small = False
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
         """A step's duration: updates the fixed part and the cost per prefill token the time budget uses."""
@@ -73,6 +80,8 @@ class Scheduler:
         if prefill == 0:
             self.fixed_seconds = seconds if self.fixed_seconds is None else (self.fixed_seconds + seconds) / 2
             return
+        if batch.prefill_allowance == MIN_PREFILL_TOKENS and seconds > self.max_step_seconds:
+            self._warn_budget_too_small(batch, prefill, seconds)
         # Too few tokens to cost, unless they were all it was allowed: an estimate too high would
         # otherwise never be corrected once it allows fewer than that.
         if prefill < min(COSTED_STEP_TOKENS, batch.prefill_allowance or COSTED_STEP_TOKENS):
@@ -80,6 +89,20 @@ class Scheduler:
         # Past the fixed part (none known yet: all of it), never below nothing.
         cost = max(seconds - (self.fixed_seconds or 0.0), 0.0) / prefill
         self.seconds_per_token = cost if self.seconds_per_token is None else (self.seconds_per_token + cost) / 2
+
+    def _warn_budget_too_small(self, batch: ScheduledBatch, prefill: int, seconds: float) -> None:
+        """Once: even the least chunk overran the budget. On a GPU a step with prefill runs outside
+        the decode graphs and costs its launches whatever its size (an 8B model's eager step, 13-17
+        ms on H100 hosts), so a budget under that cuts every prompt into 16-token chunks and the
+        queue grows (benchmarks/step_trace.py)."""
+        if self.warned_budget_too_small:
+            return
+        self.warned_budget_too_small = True
+        decodes = len(batch.num_new_tokens) - sum(n > 1 for n in batch.num_new_tokens)
+        logger.warning("max_step_seconds %.3g s is less than a step with prefill takes here (%.3g s for %d prefill "
+                       "tokens beside %d decodes): prompts are prefilled %d tokens a step and queue under load. "
+                       "Raise --max-step-seconds, or leave it unset on a GPU", self.max_step_seconds, seconds,
+                       prefill, decodes, MIN_PREFILL_TOKENS)
 
     def _prefill_tokens(self) -> int:
         """Prefill tokens the next step may compute (the token budget bounds them too)."""
