@@ -13,8 +13,9 @@ is built first (what `kiln prewarm` or an install does). Without --vllm-python (
 importable here), only kiln runs.
 
 Also, kiln only: one ~8k-token prompt prefilled (--long-prompt tokens, a single output token)
-in each dtype, with the default chunking and with --max-num-batched-tokens 8192, its time and
-the peak resident memory above the ready engine's.
+in each dtype and kiln mode, with the default chunking and with --max-num-batched-tokens 8192,
+its time and the peak resident memory above the ready engine's. --long-prompt-only runs just
+that and writes cpu_peer_long_prompt.json.
 """
 
 from __future__ import annotations
@@ -156,6 +157,8 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--runs", type=int, default=2, help="runs of every (engine, mode, dtype), taking turns")
     p.add_argument("--long-prompt", type=int, default=8000, help="tokens of the long prompt (0: skip it)")
+    p.add_argument("--long-prompt-only", action="store_true",
+                   help="only the long prompt (no batches, no vLLM): writes cpu_peer_long_prompt.json")
     p.add_argument("--sampling", default="greedy", choices=list(SAMPLING),
                    help=f"the batches' sampling: {SAMPLING} (chat writes cpu_peer_chat.json)")
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "kiln-cpu-peer"))
@@ -174,7 +177,11 @@ def main() -> None:
     prompts = work / "prompts.json"
     write_prompts(prompts, args.long_prompt)
     vllm_python = args.vllm_python
-    if vllm_python is None:
+    if args.long_prompt_only:
+        if not args.long_prompt:
+            p.error("--long-prompt-only with --long-prompt 0 leaves nothing to run")
+        vllm_python, args.runs = None, 0
+    elif vllm_python is None:
         if importlib.util.find_spec("vllm") is not None:
             vllm_python = sys.executable
         else:
@@ -213,22 +220,33 @@ def main() -> None:
                           f"{r['single_tok_s']:5.1f} tok/s", flush=True)
     long = []
     if args.long_prompt:
-        for dtype, chunk in ((d, c) for d in args.dtypes for c in (None, 8192)):
-            job = {"engine": "kiln", "mode": "eager", "dtype": dtype, "prompts": str(prompts), "sampling": "greedy",
+        for dtype, mode, chunk in ((d, m, c) for d in args.dtypes for m in ("eager", "O2") for c in (None, 8192)):
+            job = {"engine": "kiln", "mode": mode, "dtype": dtype, "prompts": str(prompts), "sampling": "greedy",
                    "long_prompt": True, "max_num_batched_tokens": chunk, "max_model_len": 8192, "cwd": str(work)}
-            r = {**spawn(sys.executable, job, env, args.timeout), "dtype": dtype,
+            r = {**spawn(sys.executable, job, env, args.timeout), "dtype": dtype, "mode": mode,
                  "max_num_batched_tokens": chunk or "default"}
             long.append(r)
-            print(f"kiln long prompt ({args.long_prompt} tokens, {dtype}, max_num_batched_tokens {chunk or 'default'}): "
+            print(f"kiln long prompt ({args.long_prompt} tokens, {dtype}, {mode}, max_num_batched_tokens "
+                  f"{chunk or 'default'}): "
                   + (r["error"] if "error" in r else
                      f"{r['prefill_s']:.1f} s, peak RSS +{r['peak_rss_above_ready_mb']:.0f} MB"), flush=True)
+    # This VM kind's speed varies by instance (the 8k fp32 prompt: 18.4 s on one, 14.5 s on another):
+    # its float32 matmul rate, to read an absolute time against.
+    import torch
+
+    from kiln.tools.bench import measure_matmul
+
+    sgemm = measure_matmul("cpu", torch.float32)
+    print(f"this CPU's float32 matmul rate (1024^2, best of 5): {sgemm / 1e9:.0f} GFLOP/s", flush=True)
     report = {"runs": results, "long_prompt": long, "summary": summarize(results, args.dtypes),
+              "sgemm_flop_s": sgemm,
               "workload": f"16 chats x {BATCH_TOKENS} tokens, {BATCHES} batches a run; one chat x {SINGLE_TOKENS}",
               "sampling": SAMPLING[args.sampling],
               "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     for line in report["summary"]["lines"]:
         print(line)
-    path = Path(args.out) / ("cpu_peer.json" if args.sampling == "greedy" else f"cpu_peer_{args.sampling}.json")
+    name = "cpu_peer.json" if args.sampling == "greedy" else f"cpu_peer_{args.sampling}.json"
+    path = Path(args.out) / ("cpu_peer_long_prompt.json" if args.long_prompt_only else name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
