@@ -12,7 +12,7 @@ after it (the fixed part of a step, the cost of a prefill token). One engine per
 --max-step-seconds value (inf: no time budget), one after the other.
 
 Prints a sample of the steps and the median step time by (decodes, prefill tokens) bucket;
-writes --out/step_trace_<model>_<device>.json with every step.
+writes --out/step_trace_<model>_<device>.json with every step, each a row of STEP_COLUMNS.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln import LLM, SamplingParams  # noqa: E402
+
+
+STEP_COLUMNS = ("t", "decodes", "prefill", "allowed", "seconds", "fixed_s", "per_token_s", "waiting")
 
 
 def parse_args():
@@ -111,6 +114,11 @@ def by_bucket(steps: list[dict]) -> list[dict]:
             for (d, p), v in sorted(groups.items())]
 
 
+def _rounded(x):
+    """Seconds to the tenth of a microsecond (the file is every step of a run)."""
+    return round(x, 7) if isinstance(x, float) else x
+
+
 def main() -> int:
     args = parse_args()
     out = Path(args.out)
@@ -135,7 +143,8 @@ def main() -> int:
             "model": args.model or "smollm2", "device": args.device, "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "workload": {k: getattr(args, k) for k in ("rate", "num_prompts", "input_len", "output_len", "seed")},
-            "runs": runs}, indent=1))
+            "step_columns": STEP_COLUMNS,
+            "runs": [{**r, "steps": [[_rounded(s[c]) for c in STEP_COLUMNS] for s in r["steps"]]} for r in runs]}))
     print(f"wrote {path}")
     return 0
 

@@ -101,6 +101,7 @@ def test_step_trace_records_every_token_computed(tmp_path):
                   "--input-len", "20", "--output-len", "4", "--max-step-seconds", "1", "inf")
     assert [r["max_step_seconds"] for r in report["runs"]] == [1.0, None]
     for run in report["runs"]:
+        run["steps"] = [dict(zip(report["step_columns"], row)) for row in run["steps"]]
         assert (run["sent"], run["cut_short"]) == (6, False)
         # Each prompt's 20 tokens, then 3 decodes: its last token is sampled, never fed back.
         assert sum(s["prefill"] + s["decodes"] for s in run["steps"]) == 6 * (20 + 3)
