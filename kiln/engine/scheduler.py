@@ -68,12 +68,15 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.steps_over_budget = 0  # steps that took longer than max_step_seconds
         self.warned_budget_too_small = False
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
         """A step's duration: updates the fixed part and the cost per prefill token the time budget uses."""
         if self.max_step_seconds is None:
             return
+        if seconds > self.max_step_seconds:
+            self.steps_over_budget += 1
         prefill = sum(n for n in batch.num_new_tokens if n > 1)
         # Half the weight on the newest: a batch's decodes come and go, and attention's cost per
         # token grows along a long prompt.

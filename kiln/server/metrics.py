@@ -105,6 +105,11 @@ class _EngineCollector:
         yield _gauge("kiln_kv_blocks_total", "KV-cache blocks in the pool", stats.kv_blocks_total)
         yield CounterMetricFamily("kiln_preemptions", "Requests preempted for want of KV blocks and "
                                   "recomputed later", value=stats.num_preemptions)
+        yield _gauge("kiln_step_time_budget_seconds", "The seconds a step's prefill chunks are cut to fit "
+                     "(--max-step-seconds; 0: no time budget)", stats.step_time_budget or 0.0)
+        yield CounterMetricFamily("kiln_steps_over_time_budget", "Steps that took longer than the time budget "
+                                  "(0 without one); the log says once when even the smallest prefill chunk overran "
+                                  "it", value=stats.steps_over_budget)
         yield _gauge("kiln_kv_blocks_cached", "KV-cache blocks no request uses that keep a cached prefix (free "
                      "to be handed out, evicted least recently used first)", stats.kv_blocks_cached)
         yield CounterMetricFamily("kiln_prefix_cache_queries", "Prompt tokens looked up in the prefix cache as "
