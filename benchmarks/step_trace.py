@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln import LLM, SamplingParams  # noqa: E402
+from throughput import random_prompts  # noqa: E402
 
 
 STEP_COLUMNS = ("t", "decodes", "prefill", "allowed", "seconds", "fixed_s", "per_token_s", "waiting")
@@ -57,7 +58,6 @@ def trace(args, budget: float) -> dict:
     engine, scheduler = llm.engine, llm.engine.scheduler
     steps: list[dict] = []
     observe = scheduler.observe
-    start = time.perf_counter()
 
     def recording(batch, seconds):
         observe(batch, seconds)
@@ -67,9 +67,7 @@ def trace(args, budget: float) -> dict:
                       "per_token_s": scheduler.seconds_per_token, "waiting": len(scheduler.waiting)})
 
     scheduler.observe = recording
-    vocab = engine.source.config.vocab_size
-    g = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(0, vocab, (args.num_prompts, args.input_len), generator=g).tolist()
+    prompts = random_prompts(args.num_prompts, args.input_len, engine.source.config.vocab_size, args.seed)
     gaps = random.Random(args.seed)
     arrivals = []
     t = 0.0

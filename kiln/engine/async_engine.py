@@ -57,8 +57,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens served from it
     kv_blocks_cached: int = 0  # blocks nobody uses that keep a cached prefix (handed out when needed)
-    step_time_budget: float | None = None  # max_step_seconds in force (None: no time budget)
-    steps_over_budget: int = 0  # steps that took longer than it
+    steps_over_budget: int = 0  # steps that took longer than the time budget
 
 
 class _Request:
@@ -288,7 +287,7 @@ class AsyncEngine:
         self.stats = EngineStats(len(scheduler.running), len(scheduler.waiting),
                                  blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks,
                                  scheduler.num_preemptions, blocks.stats.queries, blocks.stats.hits,
-                                 len(blocks.evictable), scheduler.max_step_seconds, scheduler.steps_over_budget)
+                                 len(blocks.evictable), scheduler.steps_over_budget)
 
     def _call(self, fn, *args) -> None:
         try:

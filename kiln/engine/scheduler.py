@@ -75,15 +75,15 @@ class Scheduler:
         """A step's duration: updates the fixed part and the cost per prefill token the time budget uses."""
         if self.max_step_seconds is None:
             return
-        if seconds > self.max_step_seconds:
-            self.steps_over_budget += 1
+        over = seconds > self.max_step_seconds
+        self.steps_over_budget += over
         prefill = sum(n for n in batch.num_new_tokens if n > 1)
         # Half the weight on the newest: a batch's decodes come and go, and attention's cost per
         # token grows along a long prompt.
         if prefill == 0:
             self.fixed_seconds = seconds if self.fixed_seconds is None else (self.fixed_seconds + seconds) / 2
             return
-        if batch.prefill_allowance == MIN_PREFILL_TOKENS and seconds > self.max_step_seconds:
+        if over and batch.prefill_allowance == MIN_PREFILL_TOKENS:
             self._warn_budget_too_small(batch, prefill, seconds)
         # Too few tokens to cost, unless they were all it was allowed: an estimate too high would
         # otherwise never be corrected once it allows fewer than that.

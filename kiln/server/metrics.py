@@ -106,7 +106,7 @@ class _EngineCollector:
         yield CounterMetricFamily("kiln_preemptions", "Requests preempted for want of KV blocks and "
                                   "recomputed later", value=stats.num_preemptions)
         yield _gauge("kiln_step_time_budget_seconds", "The seconds a step's prefill chunks are cut to fit "
-                     "(--max-step-seconds; 0: no time budget)", stats.step_time_budget or 0.0)
+                     "(--max-step-seconds; 0: no time budget)", self.engine.config.step_time_budget or 0.0)
         yield CounterMetricFamily("kiln_steps_over_time_budget", "Steps that took longer than the time budget "
                                   "(0 without one); the log says once when even the smallest prefill chunk overran "
                                   "it", value=stats.steps_over_budget)
