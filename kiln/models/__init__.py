@@ -78,7 +78,9 @@ def _init_random(model: nn.Module) -> None:
             # Fill on the device: an 8B model drawn on the host would take minutes.
             if p.device not in device_gen:
                 device_gen[p.device] = torch.Generator(device=p.device).manual_seed(0)
-            if isinstance(owner, ShardedLayer):  # whole, then this rank's shard, as on the host
+            # Whole, then this rank's shard, as on the host; a shard that is the whole (one rank)
+            # is drawn in place: the same values without a second 8B-model's worth of allocations.
+            if isinstance(owner, ShardedLayer) and tuple(p.shape) != tuple(owner.full_weight_shape):
                 full = torch.empty(owner.full_weight_shape, dtype=p.dtype, device=p.device)
                 owner.load_weight(full.normal_(0.0, 0.02, generator=device_gen[p.device]))
             else:
