@@ -103,6 +103,31 @@ def test_kv_cache_profile_attends_over_a_paged_cache_not_the_reference_and_write
     assert meta.block_tables.stride(0) == runner.cudagraphs.buffers.block_tables.stride(0)
 
 
+def test_gemv_warm_up_attends_over_the_paged_cache_and_writes_no_block(llm, alone, monkeypatch):
+    """The GEMV warm-up's forwards of 16 to 64 rows take a prefill's attention (on a GPU the Triton
+    kernel a request runs), not the Python reference, which cost a quarter second of that phase on
+    an H100; only its one-row forward runs without metadata. None writes a slot."""
+    from kiln.engine import runner as runner_module
+    from kiln.ops import attention as attention_module
+
+    runner = llm.engine.runner
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    seen, references = [], []
+    real_context = runner_module.set_forward_context
+    monkeypatch.setattr(runner_module, "set_forward_context",
+                        lambda meta, caches: seen.append(meta) or real_context(meta, caches))
+    real_reference = attention_module.causal_attention_reference
+    monkeypatch.setattr(attention_module, "causal_attention_reference",
+                        lambda *a: references.append(a[0].shape[0]) or real_reference(*a))
+    before = {name: cache.clone() for name, cache in runner.kv_caches.items()}
+    runner._warm_gemv()
+    assert [None if meta is None else meta.num_actual_tokens for meta in seen] == [None, 16, 32, 64]
+    assert references and set(references) == {1}
+    assert all(torch.equal(before[name].view(torch.int32), cache.view(torch.int32))
+               for name, cache in runner.kv_caches.items())
+    assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == alone[0]
+
+
 def test_stop_string_cuts_text(llm):
     free = llm.generate("The capital of France is", SamplingParams(max_tokens=16, temperature=0))[0]
     stop = free.text.strip().split()[1]  # a word the model is known to produce
