@@ -128,6 +128,27 @@ def test_gemv_warm_up_attends_over_the_paged_cache_and_writes_no_block(llm, alon
     assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == alone[0]
 
 
+def test_start_up_lowers_the_gil_switch_interval_and_puts_it_back(monkeypatch):
+    """While the runner starts (its threads beside the engine's), the switch interval is short;
+    after, the interpreter's own again."""
+    import sys
+
+    from kiln.engine import gil_handoff, llm_engine
+
+    seen = []
+
+    class Runner:
+        def __init__(self, *args):
+            seen.append(sys.getswitchinterval())
+            raise RuntimeError("stop here")
+
+    monkeypatch.setattr(llm_engine, "ModelRunner", Runner)
+    before = sys.getswitchinterval()
+    with pytest.raises(RuntimeError, match="stop here"):
+        LLM("smollm2", device="cpu", dtype="float32")
+    assert seen == [pytest.approx(gil_handoff.START_UP_SWITCH_INTERVAL)] and sys.getswitchinterval() == before
+
+
 def test_stop_string_cuts_text(llm):
     free = llm.generate("The capital of France is", SamplingParams(max_tokens=16, temperature=0))[0]
     stop = free.text.strip().split()[1]  # a word the model is known to produce

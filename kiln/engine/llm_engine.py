@@ -14,6 +14,7 @@ from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.cpu_threads import choose_threads
 from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.gil_handoff import quick_gil_handoff
 from kiln.engine.outputs import RequestOutput
 from kiln.engine.runner import LaunchedStep, ModelRunner, SampledToken
 from kiln.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -46,10 +47,11 @@ class LLMEngine:
             self.source = source or load_source(config.model)
             self.tokenizer = self.source.tokenizer
             self.max_model_len = self._max_model_len()
-        if config.tensor_parallel_size > 1:
-            self.runner = TensorParallelRunner(config, self.source, self.timeline)
-        else:
-            self.runner = ModelRunner(config, self.source, self.timeline)
+        with quick_gil_handoff():  # the runner's start runs threads beside this one
+            if config.tensor_parallel_size > 1:
+                self.runner = TensorParallelRunner(config, self.source, self.timeline)
+            else:
+                self.runner = ModelRunner(config, self.source, self.timeline)
         self.is_shut_down = False
         capacity = self.runner.num_blocks * config.block_size
         if capacity < self.max_model_len:

@@ -26,6 +26,7 @@ from kiln.config import EngineConfig
 from kiln.distributed import TensorParallelState, building_for
 from kiln.distributed.launcher import Workers, join_as_rank0
 from kiln.engine.errors import EngineDead
+from kiln.engine.gil_handoff import quick_gil_handoff
 from kiln.engine.runner import ModelRunner, SampledToken
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import ScheduledBatch
@@ -157,7 +158,7 @@ class TensorParallelRunner(ModelRunner):
 
 def _serve_steps(state: TensorParallelState, conn, config: EngineConfig) -> None:
     """A worker's life: build this rank's runner, report its KV-cache size, run steps until None."""
-    with building_for(state):
+    with building_for(state), quick_gil_handoff():
         runner = ModelRunner(config, load_source(config.model), StartupTimeline())
     freeze_heap()  # a full collection in one rank would stall every rank at the next all-reduce
     conn.send(runner.num_blocks)
