@@ -128,14 +128,14 @@ def test_gemv_warm_up_attends_over_the_paged_cache_and_writes_no_block(llm, alon
     assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == alone[0]
 
 
-def test_start_up_lowers_the_gil_switch_interval_and_puts_it_back(monkeypatch):
-    """While the runner starts (its threads beside the engine's), the switch interval is short;
-    after, the interpreter's own again."""
+def test_a_gpu_start_shortens_the_gil_switch_interval_and_puts_it_back(monkeypatch):
+    """While a CUDA runner starts (its threads beside the engine's) the switch interval is short,
+    after it the interpreter's own again; a CPU start leaves it alone (measured no faster)."""
     import sys
 
     from kiln.engine import gil_handoff, llm_engine
 
-    seen = []
+    before, seen = sys.getswitchinterval(), []
 
     class Runner:
         def __init__(self, *args):
@@ -143,10 +143,12 @@ def test_start_up_lowers_the_gil_switch_interval_and_puts_it_back(monkeypatch):
             raise RuntimeError("stop here")
 
     monkeypatch.setattr(llm_engine, "ModelRunner", Runner)
-    before = sys.getswitchinterval()
     with pytest.raises(RuntimeError, match="stop here"):
         LLM("smollm2", device="cpu", dtype="float32")
-    assert seen == [pytest.approx(gil_handoff.START_UP_SWITCH_INTERVAL)] and sys.getswitchinterval() == before
+    with pytest.raises(RuntimeError, match="stop here"), gil_handoff.quick_gil_handoff("cuda"):
+        Runner()
+    assert seen == [before, pytest.approx(gil_handoff.START_UP_SWITCH_INTERVAL)]
+    assert sys.getswitchinterval() == before
 
 
 def test_stop_string_cuts_text(llm):

@@ -47,7 +47,7 @@ class LLMEngine:
             self.source = source or load_source(config.model)
             self.tokenizer = self.source.tokenizer
             self.max_model_len = self._max_model_len()
-        with quick_gil_handoff():  # the runner's start runs threads beside this one
+        with quick_gil_handoff(config.torch_device.type):  # the runner's start runs threads beside this one
             if config.tensor_parallel_size > 1:
                 self.runner = TensorParallelRunner(config, self.source, self.timeline)
             else:

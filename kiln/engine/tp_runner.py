@@ -158,7 +158,7 @@ class TensorParallelRunner(ModelRunner):
 
 def _serve_steps(state: TensorParallelState, conn, config: EngineConfig) -> None:
     """A worker's life: build this rank's runner, report its KV-cache size, run steps until None."""
-    with building_for(state), quick_gil_handoff():
+    with building_for(state), quick_gil_handoff(config.torch_device.type):
         runner = ModelRunner(config, load_source(config.model), StartupTimeline())
     freeze_heap()  # a full collection in one rank would stall every rank at the next all-reduce
     conn.send(runner.num_blocks)
