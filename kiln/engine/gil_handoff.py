@@ -7,8 +7,8 @@ other: the compile preload imports Inductor (a second of pure Python) while the 
 builds the weights (an allocation and a fill per tensor) and Triton's driver start hashes its
 400 MB library in 1 MB reads. Each of those calls can then wait up to 5 ms for the GIL. A short
 interval bounds the wait: an -O2 warm start on an H100 went 3.49 -> 3.18 s. On the 2-core CPU,
-SmolLM2 -O2 warm and imported starts were level within 0.1 s
-either way over two A/Bs, so it is for CUDA only. It is put back once the runner is built.
+SmolLM2 -O2 warm and imported starts were level within 0.1 s either way over two A/Bs, so it is
+for CUDA only. It is put back once the runner is built.
 """
 
 from __future__ import annotations
