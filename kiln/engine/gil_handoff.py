@@ -16,14 +16,13 @@ from __future__ import annotations
 import contextlib
 import sys
 
-# Seconds; None leaves the interpreter's own.
-START_UP_SWITCH_INTERVAL: float | None = 2e-4
+START_UP_SWITCH_INTERVAL = 2e-4  # seconds; never longer than the interpreter's own
 
 
 @contextlib.contextmanager
 def quick_gil_handoff(device_type: str):
     before = sys.getswitchinterval()
-    if device_type == "cuda" and START_UP_SWITCH_INTERVAL is not None:
+    if device_type == "cuda":
         sys.setswitchinterval(min(before, START_UP_SWITCH_INTERVAL))
     try:
         yield

@@ -324,12 +324,12 @@ class ModelRunner:
         rows = [r for r in GEMV_ROW_BUCKETS if r <= self.config.max_num_batched_tokens]
         forward = forward or self.compiled
         kv_caches = self.kv_caches if kv_caches is None else kv_caches
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
         with torch.inference_mode():
             for n in rows:
                 # Without metadata attention is the Python reference (0.24 of this phase's 0.45 s under
                 # py-spy on an H100); a prefill's metadata runs the kernel a request runs. One row keeps
                 # the reference: as a prefill it would launch a decode variant that no step uses.
-                zero = torch.zeros(1, dtype=torch.long, device=self.device)
                 ids, positions, meta = self._dummy_prefill(n) if n > 1 else (zero, zero, None)
                 with set_forward_context(meta, kv_caches if meta is not None else {}):
                     self.model.compute_logits(forward(ids, positions))
