@@ -149,6 +149,15 @@ def test_a_gpu_start_shortens_the_gil_switch_interval_and_puts_it_back(monkeypat
         Runner()
     assert seen == [before, pytest.approx(gil_handoff.START_UP_SWITCH_INTERVAL)]
     assert sys.getswitchinterval() == before
+    # Two starts on two threads, the first ending before the second: the interval stays short
+    # until the last ends, and is then the interpreter's again.
+    first, second = gil_handoff.quick_gil_handoff("cuda"), gil_handoff.quick_gil_handoff("cuda")
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert sys.getswitchinterval() == pytest.approx(gil_handoff.START_UP_SWITCH_INTERVAL)
+    second.__exit__(None, None, None)
+    assert sys.getswitchinterval() == before
 
 
 def test_stop_string_cuts_text(llm):
