@@ -94,6 +94,9 @@ def child(args: argparse.Namespace) -> None:
         "triton_compiled_in_workers": triton_kernels.counts()["compiled_in_workers"],
         "precompile_s": triton_kernels.counts()["precompile_s"],
         "precompile_kernel_s": triton_kernels.counts()["precompile_kernel_s"],
+        "precompile_launcher_s": triton_kernels.counts()["precompile_launcher_s"],
+        "precompile_workers": triton_kernels.counts()["precompile_workers"],
+        "precompile_kernels": triton_kernels.counts()["precompile_kernels"],
         "inductor_compiles": stats["inductor_compiles"], "dynamo_graphs": stats["graphs_seen"],
         "compile_workers_warm_s": stats["workers_ready_s"], "compile_workers_jobs_s": stats["workers_jobs_s"],
         # A warm start's parts, the preload's own steps among them (background.*): what -O2's weights wait on.

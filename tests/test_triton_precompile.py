@@ -78,6 +78,9 @@ def _check() -> None:
     assert len(recorder.launches) == 3, recorder.launches  # one per specialization
     done = compile_all(list(recorder.launches.values()), workers=2)
     assert done == {**done, "compiled": 3, "failed": 0, "workers": 2}, done
+    assert sorted(name for name, _, _ in done["kernels"]) == ["fused_add_rms_norm_kernel", "rms_norm_kernel",
+                                                              "rms_norm_kernel"], done["kernels"]
+    assert all(0 <= submitted <= finished <= done["seconds"] for _, submitted, finished in done["kernels"])
 
     # The parent finds each in the cache: the hook lets the launch through, and Triton's own
     # compile of the same specialization is a cache hit, not a compile.

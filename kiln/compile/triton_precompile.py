@@ -160,19 +160,19 @@ class KernelCompiler:
         self.workers = max(1, workers or min(os.cpu_count() or 1, MAX_WORKERS))
         self.env = dict(os.environ, TRITON_CACHE_DIR=cache_dir)
         self.header = json.dumps([target.backend, target.arch, target.warp_size]) + "\n"
-        self.todo: queue.Queue[KernelLaunch | None] = queue.Queue()
+        self.todo: queue.Queue[tuple[KernelLaunch, float] | None] = queue.Queue()  # with when it came
         self.threads: list[threading.Thread] = []
         self.submitted: set[str] = set()  # the launches' specializations
         self.lock = threading.Lock()
         self.results = {"compiled": 0, "failed": 0, "launchers": 0, "kernel_seconds": 0.0,
-                        "launcher_seconds": 0.0, "slowest": ("", 0.0)}
+                        "launcher_seconds": 0.0, "slowest": ("", 0.0), "kernels": []}
 
     def submit(self, launch: KernelLaunch) -> None:
         """Compile `launch`'s kernel, unless it was submitted before."""
         if launch.specialization in self.submitted:
             return
         self.submitted.add(launch.specialization)
-        self.todo.put(launch)
+        self.todo.put((launch, time.perf_counter() - self.start))
         if len(self.threads) < self.workers:
             thread = threading.Thread(target=self._feed, daemon=True)
             thread.start()
@@ -182,7 +182,8 @@ class KernelCompiler:
         """Wait for every submitted kernel; {"compiled", "failed", "launchers" (C launchers built
         too; none without a GPU driver), "workers", "seconds" (since construction),
         "kernel_seconds" (summed), "launcher_seconds" (the launchers' share of it), "slowest"
-        (the name and seconds of the kernel that took longest)}. A kernel that fails here is
+        (the name and seconds of the kernel that took longest), "kernels" (per kernel, in the order
+        they finished: its name and when it was submitted and done, seconds since construction)}. A kernel that fails here is
         logged and left to compile (and fail) at its launch."""
         for _ in self.threads:
             self.todo.put(None)
@@ -202,7 +203,8 @@ class KernelCompiler:
                                 text=True, env=self.env)
         try:
             proc.stdin.write(self.header)
-            while (launch := self.todo.get()) is not None:
+            while (job := self.todo.get()) is not None:
+                launch, submitted = job
                 proc.stdin.write(launch.job() + "\n")
                 proc.stdin.flush()
                 line = proc.stdout.readline()
@@ -212,6 +214,8 @@ class KernelCompiler:
                     self.results["launchers"] += int(answer.get("launcher", False))
                     self.results["kernel_seconds"] += answer.get("seconds", 0.0)
                     self.results["launcher_seconds"] += answer.get("launcher_seconds", 0.0)
+                    self.results["kernels"].append((launch.name, round(submitted, 3),
+                                                    round(time.perf_counter() - self.start, 3)))
                     if answer.get("seconds", 0.0) > self.results["slowest"][1]:
                         self.results["slowest"] = (launch.name, answer["seconds"])
                 if not answer["ok"]:

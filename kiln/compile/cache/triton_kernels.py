@@ -19,7 +19,8 @@ logger = logging.getLogger("kiln")
 TRITON_DIR = "triton"
 
 _start_up_done = False
-_counts = {"compiled": 0, "compiled_in_workers": 0, "cache_hits": 0, "precompile_s": 0.0, "precompile_kernel_s": 0.0}
+_counts = {"compiled": 0, "compiled_in_workers": 0, "cache_hits": 0, "precompile_s": 0.0, "precompile_kernel_s": 0.0,
+           "precompile_workers": 0, "precompile_launcher_s": 0.0, "precompile_kernels": []}
 _listening = False
 
 
@@ -79,11 +80,16 @@ def add_worker_compiles(done: dict) -> None:
     _counts["compiled_in_workers"] += done["compiled"]
     _counts["precompile_s"] += done["seconds"]
     _counts["precompile_kernel_s"] += done["kernel_seconds"]
+    _counts["precompile_workers"] = max(_counts["precompile_workers"], done["workers"])
+    _counts["precompile_launcher_s"] += done["launcher_seconds"]
+    _counts["precompile_kernels"] = _counts["precompile_kernels"] + done["kernels"]
 
 
-def counts() -> dict[str, float]:
+def counts() -> dict:
     """{"compiled": kernels Triton compiled for this process (in it, or in kiln's precompile
     workers: "compiled_in_workers" of them, taking "precompile_s", "precompile_kernel_s" summed
-    over the kernels), "cache_hits": found in its cache}. Inductor's own
+    over the kernels, "precompile_launcher_s" of it building C launchers, in up to
+    "precompile_workers" processes; "precompile_kernels": (name, submitted, done) seconds after
+    the compiler started, per kernel), "cache_hits": found in its cache}. Inductor's own
     compiles in its worker processes are not seen here."""
-    return dict(_counts)
+    return {k: list(v) if isinstance(v, list) else v for k, v in _counts.items()}
