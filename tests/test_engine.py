@@ -103,6 +103,34 @@ def test_kv_cache_profile_attends_over_a_paged_cache_not_the_reference_and_write
     assert meta.block_tables.stride(0) == runner.cudagraphs.buffers.block_tables.stride(0)
 
 
+def test_kernel_recording_runs_the_kv_profiles_prefill_right_after_the_probe(llm, monkeypatch):
+    """A cold GPU start records kiln's kernels on a run of each kind before it compiles: the
+    KV-cache profile's prefill (max_num_batched_tokens rows: on a GPU, attention's long-prompt
+    tiles) comes right after the probe, so its kernels compile beside the others', not after the
+    compile phase."""
+    from kiln.engine import runner as runner_module
+
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "config", dataclasses.replace(runner.config, max_num_batched_tokens=96))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    runs = []
+    monkeypatch.setattr(runner.cudagraphs.dispatcher, "captures", lambda: ["largest", "smallest"])
+    monkeypatch.setattr(runner.cudagraphs, "warm_up", lambda caches, todo, eager=False: runs.append(todo))
+    real_context = runner_module.set_forward_context
+    monkeypatch.setattr(runner_module, "set_forward_context",
+                        lambda meta, caches: runs.append(meta and meta.num_actual_tokens) or real_context(meta, caches))
+
+    class Missing:  # something missing after the probe: every run follows
+        launches = {"a kernel": "its launch"}
+        compiler = None
+
+    submitted = []
+    runner._record_kernels(Missing(), runner.model, runner._kv_caches(1), type("C", (), {"submit": submitted.append})(),
+                           eager=True)
+    assert runs[:2] == [["smallest"], 96] and runs[-1] == ["largest"], runs
+    assert submitted == ["its launch"]
+
+
 def test_gemv_warm_up_attends_over_the_paged_cache_and_writes_no_block(llm, alone, monkeypatch):
     """The GEMV warm-up's forwards of 16 to 64 rows take a prefill's attention (on a GPU the Triton
     kernel a request runs), not the Python reference, which cost a quarter second of that phase on
