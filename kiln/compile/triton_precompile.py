@@ -183,8 +183,8 @@ class KernelCompiler:
         too; none without a GPU driver), "workers", "seconds" (since construction),
         "kernel_seconds" (summed), "launcher_seconds" (the launchers' share of it), "slowest"
         (the name and seconds of the kernel that took longest), "kernels" (per kernel, in the order
-        they finished: its name and when it was submitted and done, seconds since construction)}. A kernel that fails here is
-        logged and left to compile (and fail) at its launch."""
+        they finished: its name and when it was submitted and done, seconds since construction)}.
+        A kernel that fails here is logged and left to compile (and fail) at its launch."""
         for _ in self.threads:
             self.todo.put(None)
         for thread in self.threads:

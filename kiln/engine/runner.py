@@ -411,9 +411,9 @@ class ModelRunner:
         """Run what start-up runs next (each graph's warm-up, the KV-cache profile's forward, the GEMV
         warm-up) through `forward` (`eager`: the model's own, for every graph) with missing kernels
         recorded instead of compiled; each goes to `compiler` as soon as it is recorded (so do those
-        recorded before), while the runs go on. The first run (the smallest graph's) is a probe: when nothing is
-        missing after it, the kernels are in Triton's cache dir and the other runs are left to the
-        real start."""
+        recorded before), while the runs go on. The first run (the smallest graph's) is a probe:
+        when nothing is missing after it, the kernels are in Triton's cache dir and the other runs
+        are left to the real start."""
         todo = self.cudagraphs.dispatcher.captures()  # largest first
         runs = [lambda: self.cudagraphs.warm_up(kv_caches, todo[-1:], eager)] if todo else []
         # Second: left to the KV-cache profile, after the compile phase, attention's long-prompt tiles
