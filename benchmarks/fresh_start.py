@@ -26,7 +26,11 @@ For each start: engine_ready_s (the engine's own timeline, weights included), pr
 phases, by the phase that followed: where its "other" went), compile_phase_s (dynamo + split +
 inductor + cache_load), capture_s (CUDA graphs; of it, capture_warm_up_runs taking
 capture_warm_up_s: the ordinary runs before the first capture of each compiled code),
-triton_compiles (kernels Triton compiled in the process), inductor_compiles, dynamo_graphs,
+triton_compiles (kernels Triton compiled in the process; of them triton_compiled_in_workers by
+kiln's precompile, in precompile_workers processes over precompile_s, the compiles summing
+precompile_kernel_s with precompile_launcher_s of C launchers, and precompile_kernels: each
+kernel's name and when it was submitted and done, seconds after the precompile began),
+inductor_compiles, dynamo_graphs,
 compile_workers_warm_s and compile_workers_jobs_s (a cold start with compile workers: seconds
 from their spawn until the last was warm, and until the pieces were handed to them; 0 without
 workers), kv_blocks (what the KV cache got: on a GPU, what the memory profile left),
