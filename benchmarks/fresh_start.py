@@ -247,7 +247,10 @@ def main() -> None:
                       f"workers), kernels phases {kernels:.2f} s, Inductor compiles "
                       f"{r['inductor_compiles']}, Dynamo graphs {r['dynamo_graphs']}"
                       + (f", compile workers warm at {r['compile_workers_warm_s']:.2f} s, jobs at "
-                         f"{r['compile_workers_jobs_s']:.2f} s" if r["compile_workers_warm_s"] else ""), flush=True)
+                         f"{r['compile_workers_jobs_s']:.2f} s" if r["compile_workers_warm_s"] else "")
+                      + (f", last kernel submitted at {max(k[1] for k in r['precompile_kernels']):.2f} s and "
+                         f"compiled at {max(k[2] for k in r['precompile_kernels']):.2f} s of the precompile's "
+                         f"{r['precompile_s']:.2f} s" if r["precompile_kernels"] else ""), flush=True)
         if not args.no_reference:
             try:
                 ref = reference_first_call(args, base, pycache)
