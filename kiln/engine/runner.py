@@ -351,10 +351,9 @@ class ModelRunner:
         positions = torch.arange(n, device=self.device) % length
         return ids, positions, dataclasses.replace(meta, block_tables=blocks)
 
-    def _largest_prefill(self, forward: Callable, kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
-        """`forward` over a step of max_num_batched_tokens prompt tokens (_dummy_prefill): the KV-cache
-        profile's run, whose attention launches the long-prompt prefill tiles (choose_tiles)."""
-        ids, positions, meta = self._dummy_prefill(self.config.max_num_batched_tokens)
+    def _prefill(self, forward: Callable, kv_caches: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+        """`forward` over n prompt tokens (_dummy_prefill) with `kv_caches` in place: the hidden states."""
+        ids, positions, meta = self._dummy_prefill(n)
         with torch.inference_mode(), set_forward_context(meta, kv_caches):
             return forward(ids, positions)
 
@@ -365,9 +364,9 @@ class ModelRunner:
         with the KV cache in place (attention's prefill tiles; its cache writes are skipped, slot -1,
         and it reads block 0, whatever that holds) and a greedy and a sampled row (the Triton argmax
         and its Gumbel variant, each the same kernel for every batch and sampling setting)."""
-        ids, positions, meta = self._dummy_prefill(min(32, self.config.max_num_batched_tokens))
-        with torch.inference_mode(), set_forward_context(meta, self.kv_caches if kv_caches is None else kv_caches):
-            hidden = (forward or self.compiled)(ids, positions)
+        hidden = self._prefill(forward or self.compiled, self.kv_caches if kv_caches is None else kv_caches,
+                               min(32, self.config.max_num_batched_tokens))
+        with torch.inference_mode():
             sample(self.model.compute_logits(hidden[-1:]).repeat(2, 1),
                    [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)], [None, None])
         if self.device.type == "cuda":
@@ -416,9 +415,10 @@ class ModelRunner:
         are left to the real start."""
         todo = self.cudagraphs.dispatcher.captures()  # largest first
         runs = [lambda: self.cudagraphs.warm_up(kv_caches, todo[-1:], eager)] if todo else []
-        # Second: left to the KV-cache profile, after the compile phase, attention's long-prompt tiles
-        # compiled last (a cold -O2 start on an H100 then waited 2.6 s for them, now 0.1 s).
-        runs.append(lambda: self._largest_prefill(forward, kv_caches))
+        # Second, the KV-cache profile's forward (its attention launches the long-prompt tiles of
+        # choose_tiles): left to the profile, after the compile phase, they compiled last (a cold -O2
+        # start on an H100 then waited 2.6 s for them, now 0.1 s).
+        runs.append(lambda: self._prefill(forward, kv_caches, self.config.max_num_batched_tokens))
         if "skinny_linear" in self.custom_ops:
             runs.append(lambda: self._warm_gemv(forward, kv_caches))
         runs.append(lambda: self._warm_up_requests(forward, kv_caches))
@@ -465,7 +465,7 @@ class ModelRunner:
         one_block = {name: cache.zero_() for name, cache in self._kv_caches(1).items()}
         torch.cuda.reset_peak_memory_stats()
         with torch.inference_mode():
-            hidden = self._largest_prefill(self.compiled, one_block)
+            hidden = self._prefill(self.compiled, one_block, self.config.max_num_batched_tokens)
             forward_peak = torch.cuda.max_memory_allocated()
             # A step samples at most one row per sequence. The eager sampler may hold two copies of
             # the logits beside them (a grammar's mask; logit_bias or penalties applied), then the

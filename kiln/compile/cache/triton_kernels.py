@@ -82,7 +82,7 @@ def add_worker_compiles(done: dict) -> None:
     _counts["precompile_kernel_s"] += done["kernel_seconds"]
     _counts["precompile_workers"] = max(_counts["precompile_workers"], done["workers"])
     _counts["precompile_launcher_s"] += done["launcher_seconds"]
-    _counts["precompile_kernels"] = _counts["precompile_kernels"] + done["kernels"]
+    _counts["precompile_kernels"].extend(done["kernels"])
 
 
 def counts() -> dict:
