@@ -6,8 +6,9 @@ import logging
 import pytest
 import torch
 
-from kiln.compile import compile_model
+from kiln.compile import compile_model, pieces
 from kiln.compile.cache import CacheRoot, CompileCache
+from kiln.compile.cache.entry import CacheEntry
 from kiln.compile.compile_workers import PieceResult
 from kiln.compile.config import CompilationConfig
 
@@ -35,9 +36,18 @@ def test_workers_compile_the_pieces_and_a_second_start_loads_them(tiny_llama, tm
     # Forked where the parent has no other thread and no CUDA, else spawned: both ways here (the
     # test process may have threads other tests left).
     monkeypatch.setattr("kiln.compile.compile_workers._fork_is_safe", lambda: start_method == "fork")
+    # While the workers compile, this process imports what loading their artifacts needs: before the first load.
+    events = []
+    prepare, load = pieces.prepare_loading, CacheEntry.load_piece
+    monkeypatch.setattr(pieces, "prepare_loading", lambda device_type: events.append(prepare(device_type)))
+    monkeypatch.setattr(CacheEntry, "load_piece", lambda *a: events.append("load") or load(*a))
     with caplog.at_level(logging.INFO, logger="kiln.compile"):
         cold = _start(tiny_llama, tmp_path, workers=2)
     assert f"compiling 6 pieces in 2 worker processes ({start_method})" in caplog.text
+    prepared = [e for e in events if e != "load"]
+    assert len(prepared) == 1 and set(prepared[0]) == {"imports", "torch_key"}
+    # The loads before it are the look-ups that found nothing; the six after it, the workers' pieces.
+    assert events[events.index(prepared[0]) + 1:] == ["load"] * 6
     stats = cold.stats
     assert stats["graphs_seen"] == 1 and stats["unique_pieces"] == 3
     assert stats["inductor_compiles"] == 6 and stats["compiles_after_capture"] == 0
@@ -68,7 +78,7 @@ class FailingWorkers:
     def __init__(self):
         self.jobs = []
 
-    def compile(self, jobs):
+    def compile(self, jobs, meanwhile=None):
         self.jobs += jobs
         return [(job, PieceResult(job.index, job.shape, 0.0, False, "RuntimeError: boom")) for job in jobs]
 

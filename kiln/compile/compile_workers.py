@@ -26,7 +26,7 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,11 +134,15 @@ class CompileWorkers:
                 self.pool.submit(_warm_up).add_done_callback(lambda _: self._ready_at.append(time.perf_counter()))
         self.timing: tuple[float, float] | None = None  # see compile()
 
-    def compile(self, jobs: list[PieceJob]) -> Iterator[tuple[PieceJob, PieceResult]]:
+    def compile(self, jobs: list[PieceJob], meanwhile: Callable[[], object] | None = None
+                ) -> Iterator[tuple[PieceJob, PieceResult]]:
         """Each job with its result, in the order they finish (so the caller loads one
-        artifact while the workers still compile others)."""
+        artifact while the workers still compile others). `meanwhile` runs here once the
+        workers have every job."""
         handed_over = time.perf_counter()
         futures: dict[Future, PieceJob] = {self.pool.submit(_compile, job): job for job in jobs}
+        if meanwhile is not None:
+            meanwhile()
         for future in as_completed(futures):
             yield futures[future], future.result()
         # (seconds from the workers' start until the last was warm, until the jobs came): where

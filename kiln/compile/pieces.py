@@ -8,6 +8,7 @@ every weight is an input of the piece, so one compiled function serves them all.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import pickle
@@ -20,6 +21,7 @@ from torch import fx
 
 from kiln.compile import trace
 from kiln.compile.compile_workers import CompileWorkers, PieceJob, op_modules
+from kiln.compile.cache.preload import prepare_loading
 from kiln.compile.cache.store import no_room, warn_no_room
 from kiln.compile.inductor_piece import TOKENS, PieceInput, compile_piece, specialise
 from kiln.compile.monitor import CompileMonitor, logger
@@ -150,7 +152,10 @@ class PieceSet:
                                  self.inductor_config, str(out)))
         logger.info("compiling %d pieces in %d worker processes (%s)", len(jobs), self.workers.count,
                     self.workers.start_method)
-        for job, result in self.workers.compile(jobs):
+        device = next((p.device for piece in self.uniques for p in piece.inputs if p.device is not None), None)
+        # The first load below would import Inductor's loading path: it runs while the workers compile.
+        meanwhile = functools.partial(prepare_loading, device.type) if device is not None else None
+        for job, result in self.workers.compile(jobs, meanwhile):
             name = self.uniques[job.index].name
             if result.error is not None:
                 logger.warning("a compile worker failed on %s for %s (%s); compiling it here",

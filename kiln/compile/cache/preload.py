@@ -18,7 +18,9 @@ the cache. Nothing here changes a result: every call is a cached function torch 
 first use anyway, and a failure only means the warm start does the work itself.
 
 Where a cold CPU capture is certain instead, only its ISA probes start early (isa_probes_ahead_due,
-kiln.compile.cache.entry.probe_isa_ahead): the rest it needs at once.
+kiln.compile.cache.entry.probe_isa_ahead): the rest it needs at once. A cold capture with compile
+workers runs the imports and torch's key itself while the workers compile (prepare_loading): no
+thread, as Dynamo is importing modules on this one until then.
 """
 
 from __future__ import annotations
@@ -92,23 +94,44 @@ class Preload:
         return time.perf_counter() - start
 
     def _step(self, name: str, fn) -> None:
-        start = time.perf_counter()
-        try:
-            fn()
-        except Exception as e:  # another torch or triton: the warm start does it, or does without
-            self.errors.append(f"{name}: {type(e).__name__}: {e}")
-        self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - start
+        _timed_step(self.parts, self.errors, name, fn)
 
     def _run(self) -> None:
-        with collector_paused():
-            for module in COMMON_MODULES + DEVICE_MODULES.get(self.device.type, ()):
-                self._step("imports", lambda m=module: _import_if_present(m))
-        self._step("torch_key", _torch_key)
+        _import_loading_path(self.device.type, self.parts, self.errors)
         if self.probe_entry is not None:
             self._step("isa_probe", lambda: probe_isa_in(self.probe_entry))
             self._step("pieces", lambda: load_pieces_in(self.probe_entry))
         if self.device.type == "cuda":
             self._step("triton_key", lambda: _triton_keys(self.cuda_index))
+
+
+def prepare_loading(device_type: str) -> dict[str, float]:
+    """The preload's imports and torch's key, on this thread: what loading a first piece artifact
+    would otherwise begin with (about 1 s on an H200 host). A cold capture calls it while its compile
+    workers compile, where this thread would only wait. Its seconds per step; a failure only means
+    the first load does the work itself."""
+    parts: dict[str, float] = {}
+    errors: list[str] = []
+    _import_loading_path(device_type, parts, errors)
+    logger.debug("artifact loading prepared: %s%s", ", ".join(f"{k} {v:.3f} s" for k, v in parts.items()),
+                 f"; failed: {'; '.join(errors)}" if errors else "")
+    return parts
+
+
+def _import_loading_path(device_type: str, parts: dict[str, float], errors: list[str]) -> None:
+    with collector_paused():
+        for module in COMMON_MODULES + DEVICE_MODULES.get(device_type, ()):
+            _timed_step(parts, errors, "imports", lambda m=module: _import_if_present(m))
+    _timed_step(parts, errors, "torch_key", _torch_key)
+
+
+def _timed_step(parts: dict[str, float], errors: list[str], name: str, fn) -> None:
+    start = time.perf_counter()
+    try:
+        fn()
+    except Exception as e:  # another torch or triton: the load does it, or does without
+        errors.append(f"{name}: {type(e).__name__}: {e}")
+    parts[name] = parts.get(name, 0.0) + time.perf_counter() - start
 
 
 def _import_if_present(name: str) -> None:

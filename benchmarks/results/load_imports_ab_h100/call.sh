@@ -1,0 +1,15 @@
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+loop() { python -c "import time;t=time.perf_counter();s=0
+for i in range(3_000_000): s+=i
+print('loop', round(time.perf_counter()-t,3))"; }
+nvidia-smi --query-gpu=name --format=csv,noheader; loop
+i=0
+for v in new old new old new old; do
+  i=$((i+1))
+  [ $v = old ] && patch -s -p1 -R < ab_s25.patch
+  timeout 120 python benchmarks/fresh_start.py --modes O2 --no-reference --cold-only --out $OUT/ab/$i-$v 2>&1 | grep "engine ready" | sed "s/^/$i $v /"
+  [ $v = old ] && patch -s -p1 < ab_s25.patch
+done
+loop
+git diff --stat | tail -1
+bash benchmarks/gpu_suite.sh fresh 2>&1 | grep -v "^===" | tail -9
