@@ -14,7 +14,8 @@ GPU; `O2`), each a fresh process building the engine as `kiln serve` would:
 
 and the first call of benchmarks/reference_decode.py (a static-cache decode loop under
 torch.compile(mode="reduce-overhead", fullgraph=True)) at batch 1, in the same run.
-Bytecode is cached under a prefix, as on a pip install, primed by one untimed import.
+Bytecode is cached under a prefix, primed untimed as a pip install leaves it: torch's, Triton's and
+kiln's modules all compiled (compileall), and one import of the engine for the rest it uses.
 
 --profile: each start under cProfile, its stats written to --out and its top functions printed.
 --py-spy PY_SPY: each start sampled by py-spy instead (every thread, waiting ones too, 250 Hz; cProfile
@@ -161,12 +162,22 @@ def print_profile(path: Path, title: str) -> None:
           + text.getvalue(), flush=True)
 
 
+def package_dirs(*names: str) -> list[str]:
+    """The folders of the installed packages among `names` (found without importing them)."""
+    import importlib.util
+
+    specs = [importlib.util.find_spec(name) for name in names]
+    return [d for spec in specs if spec is not None for d in spec.submodule_search_locations or ()]
+
+
 def kiln(*argv: str) -> list[str]:
     return [sys.executable, "-m", "kiln.cli", *argv]
 
 
 def measure_mode(args, mode: str, base: Path, pycache: Path) -> dict:
     cases = {"cold": Sandbox(base, f"{mode}-cold", pycache).start(args, mode, "cold")}
+    if args.cold_only:
+        return cases
     archive = base / f"{mode}.tar"
     made = Sandbox(base, f"{mode}-prewarm", pycache)
     start = time.perf_counter()
@@ -211,6 +222,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--cold-only", action="store_true",
+                   help="each mode's cold start alone (about 15 s a mode on the GPU, not 100: for A/B runs)")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", default=".")
     p.add_argument("--profile-to", help=argparse.SUPPRESS)  # the child's: where its stats go
@@ -233,12 +246,18 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="kiln-fresh-"))
     pycache = base / "pycache"
     try:
-        Sandbox(base, "prime", pycache).run([sys.executable, "-c", "import kiln.engine, kiln.compile.backend, "
-                                             "torch._inductor.compile_fx"], args.timeout)
+        prime = Sandbox(base, "prime", pycache)
+        # Without it each start compiled the source of the modules no earlier run had imported (0.3 s
+        # of an -O2 cold start on an H200 host: Dynamo's repro tools, Triton's gluon, kiln's kernels).
+        # Its status is not checked: a file written for another Python fails, as under pip.
+        subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *package_dirs("torch", "triton", "kiln")],
+                       env=prime.env, capture_output=True, timeout=args.timeout)
+        prime.run([sys.executable, "-c", "import kiln.engine, kiln.compile.backend, torch._inductor.compile_fx"],
+                  args.timeout)
         report = {"model": args.model, "device": args.device, "host_python_s": [host_python_s()], "modes": {}}
         for mode in args.modes:
             report["modes"][mode] = measure_mode(args, mode, base, pycache)
-            for case in ("cold", "imported", "warm"):
+            for case in [c for c in ("cold", "imported", "warm") if c in report["modes"][mode]]:
                 r = report["modes"][mode][case]
                 kernels = sum(v for k, v in r["phases_s"].items() if k.startswith("kernels"))
                 print(f"{mode:8s} {case:9s} engine ready {r['engine_ready_s']:6.2f} s, process ready "
