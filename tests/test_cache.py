@@ -244,6 +244,39 @@ def test_without_a_usable_graph_dynamo_runs_but_every_piece_still_loads(copy_of,
     assert cache_cli.verify(CacheRoot(root), [key])[0]  # the graph was written again
 
 
+def test_a_warm_start_rebuilds_the_programs_graphs_from_their_nodes_without_tracing(copy_of, monkeypatch):
+    # torch pickles a GraphModule as its code and traces that again at load; the entry keeps nodes.
+    root, key = copy_of
+    monkeypatch.setattr(torch.fx.Tracer, "trace", lambda *a, **k: pytest.fail("a graph was traced again"))
+    model, compiled, _ = start(root)
+    assert compiled.stats["graphs_seen"] == 0 and compiled.stats["pieces_loaded"] == 3
+    assert max_error(model, compiled) <= 1e-4
+
+
+def test_a_program_whose_nodes_do_not_pickle_is_kept_as_torch_pickles_it(copy_of, monkeypatch):
+    from kiln.compile.cache import graph_pickle
+
+    root, key = copy_of
+    entry = CacheRoot(root).entry(key)
+    entry.manifest = entry.read_manifest()
+    program = entry.load_program()
+    before = (entry.path / "graph.pkl").read_bytes()
+
+    def unpicklable(obj):
+        raise TypeError("cannot pickle a node's target")
+
+    monkeypatch.setattr(graph_pickle, "dumps", unpicklable)
+    entry.save_program(program, program.readable())
+    after = (entry.path / "graph.pkl").read_bytes()
+    assert after != before and b"reduce_graph_module" in after and b"reduce_graph_module" not in before
+    assert cache_cli.verify(CacheRoot(root), [key])[0]
+    # (torch's re-trace does not give the captured graph back node for node: it spells out
+    # F.embedding's defaults, which the entry's own format keeps as captured.)
+    model, compiled, _ = start(root)
+    assert compiled.stats["graphs_seen"] == 0 and compiled.stats["pieces_loaded"] == 3
+    assert max_error(model, compiled) <= 1e-4
+
+
 def test_a_shape_missing_from_a_warm_entry_is_a_logged_and_counted_miss(copy_of, caplog):
     from kiln.forward_context import set_forward_context
 

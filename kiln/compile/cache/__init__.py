@@ -5,6 +5,7 @@ lock, checked against their manifest before anything in them is loaded.
     root         the cache root: entries, look-up by key prefix, the traced-sources index
     key          the key's four factors (env, config, code, compiler)
     entry        one entry: manifest, verify, repair, the program and piece artifacts
+    graph_pickle the program's fx graphs pickled as their nodes (no re-trace at load)
     model_cache  which entry a model uses: CompileCache (the caller's view), ModelCache
     preload      once-per-process work a warm start (or a cold CPU capture's ISA probes) waits on,
                  started early on a thread

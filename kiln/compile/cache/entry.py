@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kiln.compile.cache import graph_pickle
 from kiln.compile.cache.key import FACTORS
 from kiln.compile.cache.store import EntryBusy, EntryLock, make_private, no_room, private_dir, sha256_file, write_atomic
 from kiln.compile.gc_pause import collector_paused
@@ -179,7 +180,11 @@ class CacheEntry:
             self.manifest = self.read_manifest() or self.manifest
 
     def save_program(self, program, readable: str) -> None:
-        data = pickle.dumps(program, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            data = graph_pickle.dumps(program)
+        except Exception as e:  # a node whose target will not pickle: torch's way, its code re-traced at load
+            logger.debug("compile cache: the split graph keeps its code, not its nodes (%s: %s)", type(e).__name__, e)
+            data = pickle.dumps(program, protocol=pickle.HIGHEST_PROTOCOL)
         if len(data) > MAX_GRAPH_BYTES:  # weights baked into the graph as constants: not worth a file
             logger.warning("compile cache: the split graph pickles to %.0f MiB (constants in the graph?); "
                            "not kept, so a warm start will run Dynamo", len(data) / 2**20)
