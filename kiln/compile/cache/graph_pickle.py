@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.fx._lazy_graph_module import _LazyGraphModule
-from torch.fx.graph_module import _CodeOnlyModule
 from torch.fx.node import map_aggregate
 
 
@@ -63,6 +61,11 @@ def dumps(obj: Any) -> bytes:
 
 
 def _rebuild(body: dict, nodes: list, codegen, tracer_cls) -> fx.GraphModule:
+    # torch's private names, imported here: a torch without them fails this load (and the program
+    # is captured again), not kiln's import.
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    from torch.fx.graph_module import _CodeOnlyModule
+
     graph = fx.Graph(tracer_cls=tracer_cls)
     graph._codegen = codegen
     made: dict[str, fx.Node] = {}
