@@ -253,6 +253,22 @@ def test_a_warm_start_rebuilds_the_programs_graphs_from_their_nodes_without_trac
     assert max_error(model, compiled) <= 1e-4
 
 
+def test_a_program_this_torch_cannot_rebuild_is_captured_again(copy_of, monkeypatch, caplog):
+    from kiln.compile.cache import graph_pickle
+
+    def cannot(*args):
+        raise ImportError("cannot import name '_LazyGraphModule'")
+
+    root, key = copy_of
+    monkeypatch.setattr(graph_pickle, "_rebuild", cannot)
+    with caplog.at_level(logging.WARNING, logger="kiln.compile"):
+        model, compiled, _ = start(root)
+    assert "could not be loaded (ImportError" in caplog.text and "capturing again" in caplog.text
+    stats = compiled.stats
+    assert stats["graphs_seen"] == 1 and stats["inductor_compiles"] == 0 and stats["pieces_loaded"] == 3
+    assert max_error(model, compiled) <= 1e-4
+
+
 def test_a_program_whose_nodes_do_not_pickle_is_kept_as_torch_pickles_it(copy_of, monkeypatch):
     from kiln.compile.cache import graph_pickle
 
