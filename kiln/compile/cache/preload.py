@@ -19,8 +19,9 @@ first use anyway, and a failure only means the warm start does the work itself.
 
 Where a cold CPU capture is certain instead, only its ISA probes start early (isa_probes_ahead_due,
 kiln.compile.cache.entry.probe_isa_ahead): the rest it needs at once. A cold capture with compile
-workers runs the imports and torch's key itself while the workers compile (prepare_loading): no
-thread, as Dynamo is importing modules on this one until then.
+workers runs the imports and torch's key itself while the workers compile (prepare_loading). Not
+on the thread before Dynamo: on an H200 that slowed the trace and the captures after it by more
+than it saved (benchmarks/results/cold_preload_ab_h200/).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class Preload:
 
 def prepare_loading(device_type: str) -> dict[str, float]:
     """The preload's imports and torch's key, on this thread: what loading a first piece artifact
-    would otherwise begin with (about 1 s on an H200 host). A cold capture calls it while its compile
+    would otherwise begin with (0.7-1.0 s on an H200 host). A cold capture calls it while its compile
     workers compile, where this thread would only wait. Its seconds per step; a failure only means
     the first load does the work itself."""
     parts: dict[str, float] = {}
