@@ -27,14 +27,12 @@ from kiln.compile import trace
 from kiln.compile.cache.key import traced_sources
 from kiln.compile.cache.model_cache import ModelCache
 from kiln.compile.cache.store import no_room, warn_no_room
-from kiln.compile.capture import token_symbols
 from kiln.compile.compile_workers import CompileWorkers
 from kiln.compile.config import CompilationConfig
 from kiln.compile.direct_call import CallSpec
-from kiln.compile.inductor_piece import PieceInput
+from kiln.compile.piece_input import PieceInput
 from kiln.compile.monitor import CompileMonitor, logger
 from kiln.compile.partitions import Partitions
-from kiln.compile.passes.manager import PassManager
 from kiln.compile.pieces import PieceRunner, PieceSet, UniquePiece, structural_hash, token_locator
 from kiln.compile.shapes import ShapePlan, TokenShape
 from kiln.compile.split import split_graph
@@ -112,7 +110,7 @@ class PiecewiseBackend:
         self.config, self.monitor, self.cache = config, monitor, cache
         # Only FX splitting cuts the graph here; otherwise Inductor sees it whole.
         self.split_names = split_names if config.splitting_mode == "fx" else set()
-        self.passes = PassManager(config.passes, monitor, config.pass_dump_dir)
+        self.passes = _pass_manager(config, monitor)
         self.inductor_config = inductor_settings(config, split_names, self.passes)
         # Inductor's partitions between the split ops, for a caller to wrap (CompiledModel.wrap_pieces).
         self.partitions = Partitions(monitor.counters) if config.splitting_mode == "inductor_partition" else None
@@ -125,6 +123,8 @@ class PiecewiseBackend:
         self.workers: CompileWorkers | None = None  # compile pieces side by side at capture
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
+        from kiln.compile.capture import token_symbols
+
         fake_mode = torch._guards.TracingContext.get().fake_mode
         fakes = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
         tokens = token_symbols(fakes, fake_mode.shape_env)
@@ -174,7 +174,17 @@ class PiecewiseBackend:
                     c.pieces, c.unique_pieces, c.opaque_regions)
 
 
-def inductor_settings(config: CompilationConfig, split_names: set[str], passes: PassManager) -> dict:
+def _pass_manager(config: CompilationConfig, monitor: CompileMonitor):
+    """The graph passes Inductor runs on every piece, or None without any (the pass manager is an
+    Inductor class: a warm start that loads only packages imports no Inductor)."""
+    if not config.passes:
+        return None
+    from kiln.compile.passes.manager import PassManager
+
+    return PassManager(config.passes, monitor, config.pass_dump_dir)
+
+
+def inductor_settings(config: CompilationConfig, split_names: set[str], passes) -> dict:
     """Inductor config patched around every piece compile."""
     settings = config.inductor_settings()
     splitting_mode = config.splitting_mode

@@ -28,7 +28,7 @@ from kiln.compile.monitor import CompileMonitor, logger
 from kiln.compile.opt_in import dynamic_arg_dims
 from kiln.compile.split import SplitOp, check_split_ops, effective_split_ops
 
-if TYPE_CHECKING:  # imported where used: an eager forward (mode 0) imports no Dynamo
+if TYPE_CHECKING:  # imported where used: an eager forward (mode 0) imports neither (nor sympy)
     from kiln.compile.backend import PiecewiseBackend
     from kiln.compile.capture import Capture
 
@@ -65,7 +65,18 @@ class CompiledModel:
         self.backend: PiecewiseBackend | None = None
         self.dispatch: DirectCall | None = None  # mode 3, once captured or loaded
         self.piece_wrapper: Callable[[Callable], Callable] | None = None  # see wrap_pieces
-        self.capture: Capture | None = None if self.mode == 0 else self._capture(self.dims)
+        self.signature = inspect.signature(type(model).forward)
+        # Stamping is kiln's: stock torch.compile (mode 1) traces every layer.
+        self.stamp = layer_stamping.resolve(config.stamp_mechanism) \
+            if self.mode in (2, 3) and config.stamp_repeated_layers else None
+        self._capture: Capture | None = None
+        if self.mode == 3:
+            from kiln.compile import backend
+
+            self.backend = backend.PiecewiseBackend(config, {op.name for op in self.split_ops},
+                                                    max_num_batched_tokens, self.monitor)
+        if self.mode in (1, 2) or (self.mode == 3 and self.cache is None):
+            self._capture = self._make_capture()  # no warm start to spare it: Dynamo now
         logger.info("model forward: %s", self.describe())
 
     def _join_preload(self, cache: CompileCache | None) -> float:
@@ -81,34 +92,37 @@ class CompiledModel:
             self.monitor.warm_phase_add(f"background.{name}", seconds)
         return waited
 
-    def _capture(self, dims: dict[str, int]) -> Capture:
-        from kiln.compile.backend import PiecewiseBackend
+    @property
+    def capture(self) -> Capture | None:
+        """Dynamo's capture of the forward (None in mode 0). In mode 3 with the compile cache it is
+        made on first use: a warm start that loads only AOT packages never imports Dynamo."""
+        if self._capture is None and self.mode != 0:
+            self._capture = self._make_capture()
+        return self._capture
+
+    def _make_capture(self) -> Capture:
         from kiln.compile.capture import Capture, checked_backend
 
         config, max_tokens = self.config, self.max_num_batched_tokens
         owner = f"{type(self.model).__name__}.forward"
         if self.mode == 3:
-            self.backend = PiecewiseBackend(config, {op.name for op in self.split_ops}, max_tokens, self.monitor)
             compiler = self.backend
         else:
             compiler = torch._dynamo.lookup_backend("inductor" if self.mode == 1 else config.backend)
         # Mode 1 is the stock baseline: Dynamo checks all its guards on every call.
         guards = "all" if self.mode == 1 else "shape" if config.debug_guards else "none"
         compiler = trace.announcing(compiler, self._trace_config)
-        # Stamping is kiln's: stock torch.compile (mode 1) traces every layer.
-        stamp = layer_stamping.resolve(config.stamp_mechanism) if self.mode != 1 and config.stamp_repeated_layers \
-            else None
-        return Capture(self.model, dims, checked_backend(compiler, self.monitor, max_tokens, owner,
-                                                         self.model if stamp is not None else None),
+        return Capture(self.model, self.dims, checked_backend(compiler, self.monitor, max_tokens, owner,
+                                                              self.model if self.stamp is not None else None),
                        guards=guards, mark=config.dynamic_shapes_mark, max_tokens=max_tokens,
-                       monitor=self.monitor, stamp=stamp)
+                       monitor=self.monitor, stamp=self.stamp)
 
     def __call__(self, *args, **kwargs):
         if self.dispatch is not None:
             return self.dispatch(*args, **kwargs)
-        if self.capture is None:
+        if self.mode == 0:
             return self.model(*args, **kwargs)
-        if self.backend is None or self.capture.captured or self.config.debug_guards:
+        if self.backend is None or self.config.debug_guards or (self._capture is not None and self._capture.captured):
             return self.capture(*args, **kwargs)
         if self._warm_start():
             return self.dispatch(*args, **kwargs)
@@ -197,7 +211,7 @@ class CompiledModel:
 
     def _captured(self, args: tuple, kwargs: dict, out) -> None:
         """After Dynamo's capture: make the direct call, and keep the program in the cache."""
-        backend, signature = self.backend, self.capture.signature
+        backend, signature = self.backend, self.signature
         gm, example_inputs = backend.capture_inputs
         arguments = signature.bind(self.model, *args, **kwargs).arguments
         spec = call_spec(gm, example_inputs, self.model, signature, arguments, out, backend.recorder.outputs)
@@ -220,7 +234,7 @@ class CompiledModel:
 
         program = self.backend.program
         module = runnable(program, self.backend.pieces, self.piece_wrapper)
-        self.dispatch = DirectCall(module, program.call, self.model, self.capture.signature)
+        self.dispatch = DirectCall(module, program.call, self.model, self.signature)
 
     def wrap_pieces(self, wrapper: Callable[[Callable], Callable] | None) -> None:
         """Route every call of a compiled region between the split ops through `wrapper(fn)` (a
@@ -300,7 +314,7 @@ class CompiledModel:
         capture call then takes one of them (the largest up to CAPTURE_TOKENS, and >= 2: Dynamo
         specialises a count of 1).
         """
-        if self.capture is None:
+        if self.mode == 0:
             return
         if self.backend is None:
             calls = [self.max_num_batched_tokens]
@@ -321,6 +335,18 @@ class CompiledModel:
             if not self._ready_for(n):
                 with context(n) if context is not None else contextlib.nullcontext():
                     self(*make_inputs(n))
+
+    def package_pieces(self) -> dict:
+        """AOTInductor packages of every piece for every shape the entry holds (kiln prewarm --aot),
+        each checked against its Inductor artifact: starts that load them import neither Dynamo
+        nor Inductor. What was built and what was refused, and why."""
+        if self.mode != 3 or self.entry is None or self.backend.pieces is None:
+            raise ValueError("AOT packages are made of the pieces of a piecewise compile (mode 3, -O1..-O3) with the "
+                             f"compile cache on; this forward is {self.describe()}")
+        if self.config.piece_compiler != "inductor" or self.config.splitting_mode != "fx":
+            raise ValueError(f"AOT packages are made of Inductor pieces of an FX split; this forward has "
+                             f"{self.config.piece_compiler} pieces, splitting_mode {self.config.splitting_mode!r}")
+        return self.backend.pieces.package(self.backend.plan.all_shapes())
 
     def start_from_cache(self) -> bool:
         """Load the forward from the compile cache, without Dynamo, if an entry has it: True

@@ -20,9 +20,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-import torch._inductor.config
-from torch._inductor import utils as inductor_utils
-
 
 class PartitionSlot:
     """Stands in for one partition function; runs it directly or through the current wrapper."""
@@ -64,6 +61,8 @@ def inductor_scope(settings: dict, partitions: Partitions | None = None):
     """Around a compile or load of one of kiln's pieces: Inductor's settings for it and, where
     Inductor partitions at the split ops, the hook (`partitions`', or generate_only where no
     caller wraps them)."""
+    import torch._inductor.config  # here: a warm start that loads only packages imports no Inductor
+
     with torch._inductor.config.patch(settings):
         if not (settings.get("graph_partition") and settings.get("custom_should_partition_ops")):
             yield
@@ -80,6 +79,8 @@ def generate_only(fn: Callable, metadata) -> Callable:
 
 @contextlib.contextmanager
 def installed(hook: Callable):
+    from torch._inductor import utils as inductor_utils
+
     holder = inductor_utils._unstable_customized_partition_wrapper
     previous = holder.wrapper
     inductor_utils.set_customized_partition_wrappers(hook)

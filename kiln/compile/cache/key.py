@@ -5,7 +5,8 @@
               model class and architecture, parameter shapes, dtype, device type, custom ops,
               max tokens; no paths
     code      the contents of every source file Dynamo traced
-    compiler  torch, triton and Python versions, Inductor's config, device and capability
+    compiler  torch, triton and Python versions, Inductor's settings (environment, changes in
+              this process), device and capability
 
 A warm start does not run Dynamo, so it cannot ask Dynamo which files it would trace. The
 list from the last capture is kept under a pre-key (the other three factors), and the code
@@ -30,6 +31,10 @@ ENV_PREFIXES = ("KILN_", "TORCHINDUCTOR_")
 # A variable whose name has one of these words changes where things go or what is printed,
 # not the code: KILN_LOG_LEVEL, KILN_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR, ...
 ENV_IGNORED_WORDS = ("LOG", "VERBOSE", "DEBUG", "TRACE", "CACHE", "DIR", "PATH", "ROOT", "THREADS")
+# The other variables Inductor's config reads (torch 2.11-2.13), for the compiler factor.
+INDUCTOR_ENV_PREFIXES = ("AOT_INDUCTOR_", "AOTINDUCTOR_", "INDUCTOR_", "CUTLASS_", "CUTEDSL_", "TORCH_COMPILE_")
+INDUCTOR_ENV_NAMES = ("CXX", "ENABLE_PERSISTENT_TMA_MATMUL", "ENABLE_TEMPLATE_TMA_STORE",
+                      "ENABLE_TMA_LOAD_FOR_TEMPLATE_EPILOGUE")
 
 
 def digest(value) -> str:
@@ -54,12 +59,16 @@ def env_factor(environ=None) -> dict[str, str]:
 
 def compiler_factor(device: torch.device) -> dict:
     import torch._functorch.config
-    import torch._inductor.config
 
     factor = {"torch": torch.__version__, "torch_git": torch.version.git_version,
               "triton": _version("triton"), "python": platform.python_version(),
               "machine": platform.machine(), "device": device.type,
-              "inductor_config": _portable(torch._inductor.config),
+              # Inductor's settings are its defaults (torch's version), the environment and what this
+              # process changed: a start that has not imported Inductor changed nothing, and needs
+              # no import to say so (one that loads only AOT packages never imports it).
+              "inductor_env": {name: value for name, value in sorted(os.environ.items())
+                               if name.startswith(INDUCTOR_ENV_PREFIXES) or name in INDUCTOR_ENV_NAMES},
+              "inductor_changes": _inductor_changes(),
               "aot_autograd_config": _portable(torch._functorch.config)}
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -71,6 +80,27 @@ def compiler_factor(device: torch.device) -> dict:
         # be loaded on one without it.
         factor["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     return factor
+
+
+def _inductor_changes() -> dict:
+    """Inductor's settings whose value this process changed from the default (or from what a
+    variable set: inductor_env and the env factor hold those); nothing if it has not imported
+    Inductor. Values, not Inductor's own override flags: a config.patch leaves those set."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is None:
+        return {}
+    from torch.utils._config_module import _UNSET_SENTINEL
+
+    changes = {}
+    for name, value in _portable(config).items():
+        entry = config._config.get(name)
+        if entry is None:
+            continue
+        base = next((v for v in (entry.env_value_force, entry.env_value_default) if v is not _UNSET_SENTINEL),
+                    entry.default)
+        if _plain(base) != value:
+            changes[name] = value
+    return changes
 
 
 def _version(package: str) -> str | None:
@@ -119,7 +149,7 @@ def resolve_source(name: str) -> Path | None:
         return Path(name) if os.path.isfile(name) else None
     if "/" not in name:  # a module name
         module = sys.modules.get(name)
-        file = getattr(module, "__file__", None)
+        file = getattr(module, "__file__", None) or _module_source(name)
         if file is None:
             try:
                 spec = importlib.util.find_spec(name)
@@ -131,6 +161,33 @@ def resolve_source(name: str) -> Path | None:
         candidate = Path(entry or os.getcwd()) / name
         if candidate.is_file():
             return candidate
+    return None
+
+
+def _module_source(name: str) -> str | None:
+    """The source file of module `name`, found under its nearest imported package's folders
+    without importing anything: find_spec imports every parent package (for a traced
+    torch._dynamo.polyfills module, all of Dynamo: ~1 s of a start that needs no Dynamo)."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        package = sys.modules.get(".".join(parts[:i]))
+        if package is not None and getattr(package, "__path__", None):
+            folders, rest = [Path(p) for p in package.__path__], parts[i:]
+            break
+    else:
+        return None
+    for k, part in enumerate(rest):
+        last = k == len(rest) - 1
+        for folder in folders:
+            if (folder / part / "__init__.py").is_file():
+                if last:
+                    return str(folder / part / "__init__.py")
+                folders = [folder / part]
+                break
+            if last and (folder / f"{part}.py").is_file():
+                return str(folder / f"{part}.py")
+        else:
+            return None
     return None
 
 
