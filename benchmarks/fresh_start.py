@@ -5,7 +5,8 @@ not a test): prints, writes JSON.
     OMP_NUM_THREADS=1 python benchmarks/fresh_start.py --device cpu --model smollm2 --modes O2 --no-reference
 
 Per kiln mode (`default`: no compile flag, the eager forward with full decode graphs on a
-GPU; `O2`), each a fresh process building the engine as `kiln serve` would:
+GPU; `O2`; `O2-aot`: -O2 prewarmed with --aot, imported and warm only), each a fresh process
+building the engine as `kiln serve` would:
 
     cold      every cache fresh: kiln's root, Inductor's and Triton's dirs
     imported  `kiln prewarm --export FILE` on one fresh root, then a second fresh root (and
@@ -31,8 +32,8 @@ triton_compiles (kernels Triton compiled in the process; of them triton_compiled
 kiln's precompile, in precompile_workers processes over precompile_s, the compiles summing
 precompile_kernel_s with precompile_launcher_s of C launchers, and precompile_kernels: each
 kernel's name and when it was submitted and done, seconds after the precompile began),
-inductor_compiles, dynamo_graphs,
-compile_workers_warm_s and compile_workers_jobs_s (a cold start with compile workers: seconds
+inductor_compiles, dynamo_graphs, packages_loaded (AOT packages: mode O2-aot, prewarmed with --aot),
+imported_dynamo and imported_inductor (whether the start imported them), compile_workers_warm_s and compile_workers_jobs_s (a cold start with compile workers: seconds
 from their spawn until the last was warm, and until the pieces were handed to them; 0 without
 workers), kv_blocks (what the KV cache got: on a GPU, what the memory profile left),
 warm_phases_s (a warm start's parts, the compile preload's own steps among them as background.*).
@@ -62,10 +63,12 @@ from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILE_PHASES = ("dynamo", "split", "inductor", "cache_load")
-MODES = {"default": [], "O2": ["-O2"]}
+MODES = {"default": [], "O2": ["-O2"], "O2-aot": ["-O2"]}
 # prewarm's flags for a mode: with no flag it prewarms -O2; the engine's default forward is
-# -O0 with full decode graphs on a GPU.
-PREWARM_FLAGS = {"default": ["-O0", "-cc.cudagraph_mode=FULL_DECODE_ONLY"], "O2": ["-O2"]}
+# -O0 with full decode graphs on a GPU. O2-aot: -O2 from an archive with AOTInductor packages
+# (its cold start is O2's: not run again).
+PREWARM_FLAGS = {"default": ["-O0", "-cc.cudagraph_mode=FULL_DECODE_ONLY"], "O2": ["-O2"], "O2-aot": ["-O2", "--aot"]}
+WARM_ONLY = {"O2-aot"}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -106,7 +109,9 @@ def child(args: argparse.Namespace) -> None:
         "compile_workers_warm_s": stats["workers_ready_s"], "compile_workers_jobs_s": stats["workers_jobs_s"],
         # A warm start's parts, the preload's own steps among them (background.*): what -O2's weights wait on.
         "warm_phases_s": stats.get("warm_phases_s", {}),
-        "kv_blocks": engine.runner.num_blocks,
+        "kv_blocks": engine.runner.num_blocks, "packages_loaded": stats["packages_loaded"],
+        # What the start imported: one from AOT packages needs neither.
+        "imported_dynamo": "torch._dynamo" in sys.modules, "imported_inductor": "torch._inductor" in sys.modules,
         "describe": engine.runner.compiled.describe()}))
 
 
@@ -175,7 +180,7 @@ def kiln(*argv: str) -> list[str]:
 
 
 def measure_mode(args, mode: str, base: Path, pycache: Path) -> dict:
-    cases = {"cold": Sandbox(base, f"{mode}-cold", pycache).start(args, mode, "cold")}
+    cases = {} if mode in WARM_ONLY else {"cold": Sandbox(base, f"{mode}-cold", pycache).start(args, mode, "cold")}
     if args.cold_only:
         return cases
     archive = base / f"{mode}.tar"
@@ -237,7 +242,7 @@ def main() -> None:
         p.error("--profile and --py-spy each slow a start their own way: pass one")
     if args.device == "cpu" and "default" in args.modes and not args.child:
         p.error("the default mode keeps nothing in the cache on the CPU (no kernels, no graphs), so it has no "
-                "imported start: pass --modes O2")
+                "imported start: pass --modes O2 O2-aot")
     if args.child:
         child(args)
         return
@@ -264,7 +269,8 @@ def main() -> None:
                       f"{r['process_ready_s']:6.2f} s, compile {r['compile_phase_s']:5.2f} s, capture "
                       f"{r['capture_s']:5.2f} s, Triton compiles {r['triton_compiles']} ({r['triton_compiled_in_workers']} in "
                       f"workers), kernels phases {kernels:.2f} s, Inductor compiles "
-                      f"{r['inductor_compiles']}, Dynamo graphs {r['dynamo_graphs']}"
+                      f"{r['inductor_compiles']}, Dynamo graphs {r['dynamo_graphs']}, AOT packages "
+                      f"{r['packages_loaded']}, imported Dynamo/Inductor {r['imported_dynamo']}/{r['imported_inductor']}"
                       + (f", compile workers warm at {r['compile_workers_warm_s']:.2f} s, jobs at "
                          f"{r['compile_workers_jobs_s']:.2f} s" if r["compile_workers_warm_s"] else "")
                       + (f", last kernel submitted at {max(k[1] for k in r['precompile_kernels']):.2f} s and "

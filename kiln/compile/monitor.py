@@ -36,6 +36,7 @@ class CompileCounters:
     cache_hits: int = 0  # pieces loaded from kiln's compile cache, or served from Inductor's FX-graph cache
     cache_misses: int = 0  # piece compiles neither cache could serve: Inductor ran for real
     pieces_loaded: int = 0  # piece artifacts loaded from kiln's compile cache
+    packages_loaded: int = 0  # of them, AOTInductor packages (kiln.compile.aot_piece)
     compiles_after_capture: int = 0  # lazy specialisations after the first call
     stamped_layers: int = 0  # repeated layer calls Dynamo did not trace (kiln.compile.layer_stamping)
     # graph pass name -> rewrites it made, summed over the graphs Inductor compiled

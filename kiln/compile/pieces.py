@@ -20,13 +20,14 @@ from pathlib import Path
 from torch import fx
 
 from kiln.compile import trace
+from kiln.compile.aot_piece import PackagedPiece, PackageMismatch, check_package, load_package
 from kiln.compile.compile_workers import CompileWorkers, PieceJob, op_modules
 from kiln.compile.cache.preload import prepare_loading
 from kiln.compile.cache.store import no_room, warn_no_room
-from kiln.compile.inductor_piece import TOKENS, PieceInput, compile_piece, specialise
 from kiln.compile.monitor import CompileMonitor, logger
 from kiln.compile.partitions import Partitions, inductor_scope
 from kiln.compile.passes.target import compiling
+from kiln.compile.piece_input import TOKENS, PieceInput
 from kiln.compile.shapes import ShapePlan, TokenShape, size_hint
 
 
@@ -172,20 +173,74 @@ class PieceSet:
 
     def _load_all(self, shape: TokenShape) -> list[Callable | None]:
         start = time.perf_counter()
-        # Loading runs Inductor's post-compile step, which reads graph_partition and hands out the partitions.
-        with inductor_scope(self.inductor_config, self.partitions):
-            table = [self._load(i, shape) for i in range(len(self.uniques))]
+        table = [self._load(i, shape) for i in range(len(self.uniques))]
+        self.monitor.counters.packages_loaded += sum(isinstance(a, PackagedPiece) for a in table)
         self.monitor.pieces_loaded(sum(a is not None for a in table), time.perf_counter() - start)
         return table
 
     def _load(self, index: int, shape: TokenShape) -> Callable | None:
+        """The piece's AOT package if the entry has one, else its Inductor artifact, else None."""
         start = time.perf_counter()
-        artifact = self.store.load_piece(index, shape)
+        artifact = self._load_package(index, shape)
+        if artifact is None:
+            # Loading runs Inductor's post-compile step, which reads graph_partition and hands out the partitions.
+            with inductor_scope(self.inductor_config, self.partitions):
+                artifact = self.store.load_piece(index, shape)
         trace.piece_loaded(self.uniques[index].name, index, shape, time.perf_counter() - start,
                            artifact is not None, self.store.key)
         return artifact
 
+    def _load_package(self, index: int, shape: TokenShape) -> Callable | None:
+        """The piece's AOT package for `shape` (kiln.compile.aot_piece), or None where the entry has none."""
+        path = self.store.package_path(index, shape)
+        if path is None:
+            return None
+        piece = self.uniques[index]
+        try:
+            return load_package(path, piece.inputs, piece.graph)
+        except Exception as e:  # e.g. a package this torch cannot load: the Inductor artifact serves
+            logger.warning("compile cache: AOT package %s could not be loaded (%s: %s); using the Inductor artifact",
+                           path, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self.store.forget_package(index, shape)
+            self.store.packages_done(shape, len(self.uniques))
+            return None
+
+    def package(self, shapes: list[TokenShape]) -> dict:
+        """Build an AOT package of every unique piece for each of `shapes` (their Inductor artifacts
+        must be held: each package is checked against its artifact's output) into the cache entry.
+        Returns what was built and, per piece and shape it could not package, why."""
+        from kiln.compile.aot_piece import NotPackable, build_package
+
+        built, refused, start = 0, {}, time.perf_counter()
+        for shape in shapes:
+            table = self.by_shape.get(shape) or self.compile(shape)
+            for i, piece in enumerate(self.uniques):
+                if isinstance(table[i], PackagedPiece):
+                    built += 1
+                    continue
+                label = f"{piece.name} {shape}"
+                try:
+                    # In Inductor's own cache dir, not the entry's: what AOTInductor leaves there is not the entry's.
+                    with (inductor_scope(self.inductor_config, self.partitions), compiling(piece.name, shape),
+                          self.store.lock()):
+                        path = self.store.save_package(i, shape, lambda out, p=piece: build_package(
+                            p.graph, p.inputs, shape, self.inductor_config, out))
+                    packaged = load_package(path, piece.inputs, piece.graph)
+                    check_package(packaged, table[i], piece.graph, piece.inputs, shape)
+                except (NotPackable, PackageMismatch) as e:
+                    refused[label] = str(e)
+                    logger.warning("no AOT package for %s: %s", label, e)
+                    with self.store.lock():
+                        self.store.forget_package(i, shape)
+                    continue
+                built += 1
+            with self.store.lock():
+                self.store.packages_done(shape, len(self.uniques))
+        return {"packages": built, "refused": refused, "seconds": time.perf_counter() - start}
+
     def _compile_all(self, shape: TokenShape, table: list[Callable | None]) -> list[Callable]:
+        from kiln.compile.inductor_piece import compile_piece, specialise
+
         start = time.perf_counter()
         todo = [i for i, artifact in enumerate(table) if artifact is None]
         with self.monitor.progress(len(todo), f"compiling {shape}") as bar, self._compiler_dirs():

@@ -20,7 +20,7 @@ from kiln.compile import CompiledModel, compile_model
 from kiln.compile.cache import CompileCache
 from kiln.compile.cache import triton_kernels
 from kiln.compile.cache.entry import probe_isa_ahead
-from kiln.compile.cache.preload import isa_probes_ahead_due, preload_if_warm
+from kiln.compile.cache.preload import isa_probes_ahead_due, packaged_start_likely, preload_if_warm
 from kiln.compile.compile_workers import compiles_in_workers, start_ahead, start_before_cold_start, worker_count
 from kiln.compile.gc_pause import collector_paused
 from kiln.compile.layer_stamping import layer_kinds
@@ -191,9 +191,11 @@ class ModelRunner:
         if self.device.type == "cuda":  # kiln's own kernels compile into the cache root (where one is on)
             triton_kernels.use_cache_root(cache.root.path) if cache is not None else triton_kernels.listen()
             triton_kernels.start_up(done=False)
-        if config.compilation_config.mode != 0:
+        if config.compilation_config.mode != 0 and not packaged_start_likely(config.compilation_config, cache,
+                                                                            self.device):
             # A compile imports Dynamo anyway (~1 s): here, on the timeline, before the threads below
-            # start (two threads importing the same circular modules can deadlock). Eager, never.
+            # start (two threads importing the same circular modules can deadlock). Eager, or a start
+            # from AOT packages, never.
             with timeline.phase("imports"), collector_paused():
                 importlib.import_module("torch._dynamo")
         # A warm start's once-per-process work (imports, torch's and Triton's keys) runs while the weights load,

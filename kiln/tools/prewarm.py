@@ -1,7 +1,7 @@
 """`kiln prewarm`: fill the compile cache with everything a server would need, and say what
 is in the entry.
 
-    kiln prewarm --model smollm2 -O3 [--manifest shapes.json]
+    kiln prewarm --model smollm2 -O3 [--manifest shapes.json] [--aot] [--export FILE]
 
 The engine settings and compile flags are those of `kiln serve`; start the server with the
 same ones and it starts warm. With no -O flag it prewarms -O2. A manifest names the shapes:
@@ -12,6 +12,10 @@ same ones and it starts warm. With no -O flag it prewarms -O2. A manifest names 
 Weights are not loaded: the compiled code depends on the architecture, not on the values.
 CUDA graphs cannot be stored on disk: the buckets are reported here and captured at each
 server start on a GPU (a few seconds, benchmarks/results/cudagraphs_*.json).
+
+With --aot every piece is also packaged by AOTInductor (kiln.compile.aot_piece; tens of seconds
+a piece, for the C++ compiler): a start that finds packages for all its pieces imports neither
+Dynamo nor Inductor.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ def with_shapes(compilation: CompilationConfig, shapes: dict, device: str) -> Co
         dataclasses.replace(compilation, **overrides)
 
 
-def prewarm(config: EngineConfig) -> dict:
+def prewarm(config: EngineConfig, aot: bool = False) -> dict:
     """Start an engine as a server with `config` would, on random weights (compiled code and
     kernels depend on shapes, not values): every range and size compiles into the compile-cache
     entry, and on a GPU every kernel compiles into the cache root's Triton cache while the GEMV
@@ -77,11 +81,12 @@ def prewarm(config: EngineConfig) -> dict:
     with _gemv_tuning(on_gpu):
         engine = LLMEngine(config)
     try:
-        seconds = time.perf_counter() - start
         compiled = engine.runner.compiled
         entry = compiled.entry
         if compiled.mode == 3 and entry is None:
             raise RuntimeError("the forward was compiled but no cache entry was written; see the log")
+        packages = compiled.package_pieces() if aot else None
+        seconds = time.perf_counter() - start
         tuned = _keep_gemv_choices(config.torch_device) if on_gpu else 0
         cpu_attention = None
         if not on_gpu:  # kiln's C++ attention, built here so that no serving start pays the compiler
@@ -98,7 +103,8 @@ def prewarm(config: EngineConfig) -> dict:
                   "coverage": entry.coverage() if entry else None, "complete": entry.complete() if entry else True,
                   "graph": entry.manifest.get("graph") if entry else None,
                   "cuda_graphs": cuda_graphs_report(config), "seconds": seconds, "stats": compiled.stats,
-                  "triton": counts(), "gemv_tuned": tuned, "cpu_attention": cpu_attention}
+                  "triton": counts(), "gemv_tuned": tuned, "cpu_attention": cpu_attention, "aot": packages,
+                  "packaged": entry.packaged() if entry else False}
     finally:
         engine.shutdown()
     return report
@@ -143,6 +149,11 @@ def render(report: dict) -> str:
         lines.append(f"  kernels: {report['triton']['compiled']} Triton kernels compiled, "
                      f"{report['triton']['cache_hits']} found in the cache; GEMV configs kept for "
                      f"{report['gemv_tuned']} shapes")
+    if report.get("aot") is not None:
+        aot = report["aot"]
+        lines.append(f"  AOT packages: {aot['packages']} built in {aot['seconds']:.1f} s"
+                     + ("; starts load them without Dynamo or Inductor" if report["packaged"] else "")
+                     + "".join(f"\n    not packaged: {what}: {why}" for what, why in aot["refused"].items()))
     if report.get("cpu_attention"):
         lines.append(f"  CPU attention kernel: {report['cpu_attention']}")
     if report["key"] is not None:
@@ -159,6 +170,9 @@ def register(commands) -> None:
                                             "what it holds")
     p.add_argument("--manifest", default=None,
                    help="JSON with compile_ranges, compile_sizes, cudagraph_capture_sizes (each optional)")
+    p.add_argument("--aot", action="store_true",
+                   help="also package every piece with AOTInductor: starts that load the packages import neither "
+                        "Dynamo nor Inductor (prewarm takes tens of seconds more a piece)")
     p.add_argument("--export", default=None, metavar="FILE",
                    help="then write the entry, the kernel cache and the tuning into FILE (kiln cache import FILE)")
     EngineConfig.add_arguments(p)
@@ -168,10 +182,13 @@ def register(commands) -> None:
 def run(args) -> int:
     shapes = read_shapes(args.manifest) if args.manifest else {}
     compilation = CompilationConfig.from_args(args) or CompilationConfig.level(DEFAULT_COMPILATION_LEVEL)
+    if args.aot and compilation.mode != 3:
+        raise ValueError(f"--aot packages the pieces of a piecewise compile (-O1..-O3); mode {compilation.mode} "
+                         f"has none")
     config = EngineConfig.from_args(args)
     config = dataclasses.replace(config, compilation=with_shapes(compilation, shapes, config.torch_device.type))
     with torch.inference_mode():
-        report = prewarm(config)
+        report = prewarm(config, aot=args.aot)
     print(render(report))
     if not report["complete"]:
         return 1

@@ -8,6 +8,7 @@ the artifacts it holds (the split program, a piece artifact per unique piece and
         computation_graph.py          the split graph as Python, to read
         graph.pkl                     the split graph, its pieces and how to call it, to load
         pieces/piece<i>.<shape>.<compiler>.bin   an artifact per unique piece and token shape
+        pieces/piece<i>.<shape>.aot.pt2          its AOTInductor package, where kiln prewarm --aot made one
         inductor/                     TORCHINDUCTOR_CACHE_DIR while the entry compiles or loads:
                                       on CPU an artifact does not carry its built .so, this does
 
@@ -271,11 +272,58 @@ class CacheEntry:
         os.replace(saved, target)
         self._record(self.artifact(index, shape), sha256_file(target))
 
+    # -- AOT packages (kiln.compile.aot_piece) -------------------------------------------------
+
+    def package(self, index: int, shape: TokenShape) -> str:
+        return f"pieces/piece{index}.{shape_tag(shape)}.aot.pt2"
+
+    def package_path(self, index: int, shape: TokenShape) -> Path | None:
+        """The checked package of unique piece `index` for `shape`; None if absent or bad (then removed)."""
+        rel = self.package(index, shape)
+        if rel not in self.manifest["files"]:
+            return None
+        with self._timed("pieces.verify"):
+            good = sha256_file(self.path / rel) == self.manifest["files"][rel]
+        if not good:
+            self._repair([rel])
+            self._write_manifest()
+            return None
+        return self.path / rel
+
+    def save_package(self, index: int, shape: TokenShape, build: Callable[[Path], None]) -> Path:
+        """`build(path)` writes the package; kept under its name once it is whole."""
+        rel = self.package(index, shape)
+        target = self.path / rel
+        private_dir(target.parent)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp.pt2")
+        try:
+            build(tmp)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._record(rel, sha256_file(target))
+        self._write_manifest()
+        return target
+
+    def forget_package(self, index: int, shape: TokenShape) -> None:
+        self._forget(self.package(index, shape))
+        self._write_manifest()
+
+    def packages_done(self, shape: TokenShape, num_pieces: int) -> None:
+        """Record which of `shape`'s pieces have packages; write the manifest."""
+        record = self.manifest["shapes"][shape_tag(shape)]
+        record["packages"] = [self.package(i, shape) for i in range(num_pieces)
+                              if self.package(i, shape) in self.manifest["files"]]
+        self._write_manifest()
+
     def shape_done(self, shape: TokenShape, size_hint: int, num_pieces: int) -> None:
         """Record `shape` and the built files Inductor left for it; write the manifest."""
-        self.manifest["shapes"][shape_tag(shape)] = {
+        tag = shape_tag(shape)
+        packages = self.manifest["shapes"].get(tag, {}).get("packages")
+        self.manifest["shapes"][tag] = {
             "lo": shape.lo, "hi": shape.hi, "size_hint": size_hint,
-            "artifacts": [self.artifact(i, shape) for i in range(num_pieces)]}
+            "artifacts": [self.artifact(i, shape) for i in range(num_pieces)],
+            **({"packages": packages} if packages else {})}
         inductor = self.path / INDUCTOR
         make_private(inductor)
         for path in sorted(inductor.rglob("*")) if inductor.exists() else []:
@@ -290,6 +338,10 @@ class CacheEntry:
 
     def _has_shape(self, record: dict) -> bool:
         return all(rel in self.manifest["files"] for rel in record["artifacts"])
+
+    def packaged(self) -> bool:
+        """Every shape held has a package for every piece: a warm start needs no Inductor."""
+        return packaged(self.manifest)
 
     # -- Inductor's directories -------------------------------------------------------------
 
@@ -470,6 +522,14 @@ def probe_isa_here() -> None:
         cpu_vec_isa.pick_vec_isa()
     except Exception as e:  # another torch: the probes then land wherever Inductor puts them
         logger.debug("compile cache: could not re-run Inductor's ISA probes: %s", e)
+
+
+def packaged(manifest: dict) -> bool:
+    """Whether an entry's manifest holds a package for every piece of every shape it holds."""
+    files, shapes = manifest.get("files", {}), manifest.get("shapes", {}).values()
+    held = [s for s in shapes if all(rel in files for rel in s.get("artifacts", []))]
+    return bool(held) and all(len(s.get("packages", [])) == len(s["artifacts"]) and
+                              all(rel in files for rel in s["packages"]) for s in held)
 
 
 def shape_tag(shape: TokenShape) -> str:

@@ -27,6 +27,7 @@ than it saved (benchmarks/results/cold_preload_ab_h200/).
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import threading
 import time
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.compile.cache.entry import load_pieces_in, probe_isa_in
+from kiln.compile.cache.entry import MANIFEST, load_pieces_in, packaged, probe_isa_in
 from kiln.compile.cache.model_cache import CompileCache
 from kiln.compile.config import CompilationConfig
 from kiln.compile.gc_pause import collector_paused
@@ -180,13 +181,26 @@ def start_preload(device: torch.device, probe_entry: Path | None = None) -> Prel
         return None
 
 
+def packaged_start_likely(config: CompilationConfig, cache: CompileCache | None, device: torch.device) -> bool:
+    """Whether this start will likely load AOT packages only (kiln prewarm --aot made one of every
+    piece in the entry of this model on this device written last): it needs neither Dynamo nor
+    Inductor, so nothing imports them ahead. A wrong guess costs only the imports, made on first use."""
+    if cache is None or config.mode != 3 or config.debug_guards or config.piece_compiler != "inductor":
+        return False
+    entries = cache.root.entries_for(cache.name, device.type)
+    try:
+        return bool(entries) and packaged(json.loads((entries[0] / MANIFEST).read_text()))
+    except (OSError, ValueError):
+        return False
+
+
 def preload_if_warm(config: CompilationConfig, cache: CompileCache | None, device: torch.device) -> Preload | None:
-    """Start the preload if this start will likely be warm (see the module's doc), and hand
-    it to `cache`, where the warm start finds it. Never on the eager path."""
+    """Start the preload if this start will likely be warm (see the module's doc) and load
+    Inductor artifacts, and hand it to `cache`, where the warm start finds it. Never on the eager path."""
     if cache is None or config.mode != 3 or config.debug_guards or config.piece_compiler != "inductor":
         return None
     entries = cache.root.entries_for(cache.name, device.type)
-    if not entries:
+    if not entries or packaged_start_likely(config, cache, device):
         return None
     # On the CPU, Inductor's ISA probes and a first load of the pieces too, in the entry last written:
     # most likely the one this start will use (if not, that one does both itself, as without the preload).
