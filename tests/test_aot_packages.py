@@ -69,6 +69,8 @@ def test_prewarm_aot_packages_every_piece_and_checks_each(prewarmed):
     assert packaged(manifest)
     packages = [f for f in manifest["files"] if f.endswith(".aot.pt2")]
     assert len(packages) == 3 and all(manifest["files"][f] for f in packages)  # each with its checksum
+    listed = run_python("-m", "kiln.cli", "cache", "ls", env={"KILN_CACHE_ROOT": str(root)})
+    assert "complete+aot" in listed.stdout, listed.stdout
 
 
 def test_a_start_from_packages_imports_neither_dynamo_nor_inductor_and_generates_the_same_tokens(prewarmed, tmp_path):

@@ -1,7 +1,8 @@
 """`kiln cache ls | verify | clear | diff | export | import`: look after the compile cache
 (KILN_CACHE_ROOT).
 
-    kiln cache ls                 every entry: model, device, size, age, complete or not, shapes
+    kiln cache ls                 every entry: model, device, size, age, complete or not (+aot: with AOT
+                                  packages of every piece), shapes
     kiln cache verify [KEY ...]   every file against its checksum in the manifest
     kiln cache clear KEY ... | --all
     kiln cache diff A B           why two keys differ, factor by factor
@@ -26,7 +27,7 @@ def ls(root: CacheRoot) -> list[str]:
     if not entries:
         return [f"no cache entries in {root.path}"]
     lines = [f"{root.path}:", f"{'KEY':16}  {'MODEL':14} {'DEVICE':8} {'DTYPE':9} {'SIZE':>9} {'AGE':>6}  "
-             f"{'STATE':10} SHAPES"]
+             f"{'STATE':13} SHAPES"]
     for entry in entries:
         try:
             manifest = entry.read_manifest() or {}
@@ -36,10 +37,11 @@ def ls(root: CacheRoot) -> list[str]:
         entry.manifest = manifest
         cover = entry.coverage()
         shapes = [f"[{lo},{hi}]" for lo, hi in cover["ranges"]] + [str(n) for n in cover["sizes"]]
-        state = "complete" if entry.complete() else "partial" if manifest else "empty"
+        state = ("complete+aot" if entry.packaged() else "complete") if entry.complete() else \
+            "partial" if manifest else "empty"
         lines.append(f"{entry.key:16}  {manifest.get('model', '?')[:14]:14} {manifest.get('device', '?'):8} "
                      f"{manifest.get('dtype', '?'):9} {_size(entry.size_bytes()):>9} "
-                     f"{_age(manifest.get('updated')):>6}  {state:10} {' '.join(shapes) or '-'}")
+                     f"{_age(manifest.get('updated')):>6}  {state:13} {' '.join(shapes) or '-'}")
     return lines
 
 

@@ -226,13 +226,7 @@ class CacheEntry:
     def load_piece(self, index: int, shape: TokenShape) -> Callable | None:
         """The artifact of unique piece `index` for `shape`; None if absent or bad (then removed)."""
         rel = self.artifact(index, shape)
-        if rel not in self.manifest["files"]:
-            return None
-        with self._timed("pieces.verify"):
-            good = sha256_file(self.path / rel) == self.manifest["files"][rel]
-        if not good:
-            self._repair([rel])
-            self._write_manifest()
+        if not self._checked(rel):
             return None
         try:
             return self._load_artifact(rel)
@@ -280,15 +274,18 @@ class CacheEntry:
     def package_path(self, index: int, shape: TokenShape) -> Path | None:
         """The checked package of unique piece `index` for `shape`; None if absent or bad (then removed)."""
         rel = self.package(index, shape)
+        return self.path / rel if self._checked(rel) else None
+
+    def _checked(self, rel: str) -> bool:
+        """Whether piece file `rel` is listed and passes its checksum (a failing one is repaired)."""
         if rel not in self.manifest["files"]:
-            return None
+            return False
         with self._timed("pieces.verify"):
             good = sha256_file(self.path / rel) == self.manifest["files"][rel]
         if not good:
             self._repair([rel])
             self._write_manifest()
-            return None
-        return self.path / rel
+        return good
 
     def save_package(self, index: int, shape: TokenShape, build: Callable[[Path], None]) -> Path:
         """`build(path)` writes the package; kept under its name once it is whole."""
