@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from kiln.compile.piece_input import TOKENS, PieceInput
+from kiln.compile.piece_input import TOKENS, PieceInput, evaluate
 from kiln.compile.shapes import TokenShape, size_hint
 
 
@@ -136,11 +136,11 @@ def _example_inputs(inputs: list[PieceInput], shape: TokenShape) -> tuple[list, 
                 sizes.append(hint)
                 if tokens is not None:
                     dims[d] = tokens
-            elif size.is_number:
-                sizes.append(int(size))
+            elif isinstance(size, int):
+                sizes.append(size)
             else:
                 raise NotPackable(f"an input's size {size} is neither the token count nor a constant")
-        strides = [int(s.subs(TOKENS, hint)) for s in x.strides]
+        strides = [evaluate(s, hint) for s in x.strides]
         example.append(torch.empty_strided(sizes, strides, dtype=x.dtype, device=x.device).zero_())
         dynamic.append(dims or None)
     return example, dynamic
@@ -181,11 +181,11 @@ def check_package(packaged: Callable, artifact: Callable, gm: fx.GraphModule, in
 
 def _random(x: PieceInput, count: int, generator: torch.Generator):
     if x.kind == "symint":
-        return int(x.sizes[0].subs(TOKENS, count))
+        return evaluate(x.sizes[0], count)
     if x.kind == "value":
         return x.value
-    sizes = [int(d.subs(TOKENS, count)) for d in x.sizes]
-    strides = [int(d.subs(TOKENS, count)) for d in x.strides]
+    sizes = [evaluate(d, count) for d in x.sizes]
+    strides = [evaluate(d, count) for d in x.strides]
     span = 1 + sum((n - 1) * st for n, st in zip(sizes, strides)) if all(sizes) else 0
     if x.dtype.is_floating_point:
         flat = (torch.randn(span, generator=generator) * 0.5).to(x.dtype)

@@ -28,7 +28,7 @@ from kiln.compile.monitor import CompileMonitor, logger
 from kiln.compile.opt_in import dynamic_arg_dims
 from kiln.compile.split import SplitOp, check_split_ops, effective_split_ops
 
-if TYPE_CHECKING:  # imported where used: an eager forward (mode 0) imports neither (nor sympy)
+if TYPE_CHECKING:  # imported where used: an eager forward (mode 0) imports neither
     from kiln.compile.backend import PiecewiseBackend
     from kiln.compile.capture import Capture
 

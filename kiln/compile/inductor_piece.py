@@ -12,7 +12,7 @@ from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-from kiln.compile.piece_input import TOKENS, PieceInput
+from kiln.compile.piece_input import PieceInput, token_expr, token_symbol
 from kiln.compile.shapes import TokenShape, size_hint
 
 
@@ -28,8 +28,8 @@ def specialise(inputs: list[PieceInput], shape: TokenShape) -> tuple[FakeTensorM
         new = env.create_symbol(hint, ConstantSource("num_tokens"), dynamic_dim=DimDynamic.DYNAMIC)
         env.constrain_symbol_range(new, shape.lo, shape.hi)
 
-    def value(expr):
-        expr = expr.xreplace({TOKENS: new})
+    def value(size):
+        expr = token_expr(size).xreplace({token_symbol(): new})
         if expr.is_number:
             return int(expr)
         return env.create_symintnode(expr, hint=int(expr.xreplace({new: hint})))

@@ -1,15 +1,16 @@
-"""What a piece is compiled for: each input's kind, dtype, device, and sizes and strides in terms
-of the token count T. Pickled with the split program, so a warm start reads it back without
-importing Dynamo (this module imports only torch and sympy)."""
+"""What a piece is compiled for: each input's kind, dtype, device, and sizes and strides as ints
+or as expressions of the token count T. Pickled with the split program; its sizes are plain
+text, so a warm start reads them back without importing sympy (~0.25 s) or Dynamo, and only a
+compile parses them (token_expr)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
-import sympy
 import torch
 
-TOKENS = sympy.Symbol("T", integer=True, positive=True)  # the token count in a PieceInput
+TOKENS = "T"  # the token count, as a size names it
 
 
 @dataclass(frozen=True)
@@ -20,19 +21,21 @@ class PieceInput:
     kind: str  # "tensor", "symint" (the token count itself, or an expression of it) or "value"
     dtype: torch.dtype | None = None
     device: torch.device | None = None
-    sizes: tuple[sympy.Expr, ...] = ()  # for "symint": one expression
-    strides: tuple[sympy.Expr, ...] = ()
+    # Each an int, or an expression of T as sympy prints it ("T", "2*T"); a "symint" has one size.
+    sizes: tuple[int | str, ...] = ()
+    strides: tuple[int | str, ...] = ()
     value: object = None  # for "value": a constant the graph passes along
 
     @classmethod
-    def of(cls, x, tokens: frozenset[sympy.Symbol]) -> "PieceInput":
-        def exprs(seq):
-            return tuple(_expr(d).xreplace(dict.fromkeys(tokens, TOKENS)) for d in seq)
+    def of(cls, x, tokens: frozenset) -> "PieceInput":
+        """From a traced input (a fake tensor, a SymInt, a constant); `tokens`: the trace's symbols for T."""
+        def texts(seq):
+            return tuple(_text(d, tokens) for d in seq)
 
         if isinstance(x, torch.Tensor):
-            return cls("tensor", x.dtype, x.device, exprs(x.shape), exprs(x.stride()))
+            return cls("tensor", x.dtype, x.device, texts(x.shape), texts(x.stride()))
         if isinstance(x, torch.SymInt):
-            return cls("symint", sizes=exprs([x]))
+            return cls("symint", sizes=texts([x]))
         return cls("value", value=x)
 
     def __str__(self) -> str:
@@ -43,5 +46,31 @@ class PieceInput:
         return f"{type(self.value).__name__} {self.value!r}"
 
 
-def _expr(value) -> sympy.Expr:
-    return value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value)
+def evaluate(size: int | str, count: int) -> int:
+    """A size at `count` tokens."""
+    if isinstance(size, int):
+        return size
+    if size == TOKENS:
+        return count
+    return int(token_expr(size).subs(token_symbol(), count))
+
+
+def token_expr(size: int | str):
+    """A size as a sympy expression of token_symbol()."""
+    import sympy
+
+    return sympy.Integer(size) if isinstance(size, int) else sympy.sympify(size, locals={TOKENS: token_symbol()})
+
+
+@cache
+def token_symbol():
+    import sympy
+
+    return sympy.Symbol(TOKENS, integer=True, positive=True)
+
+
+def _text(value, tokens: frozenset) -> int | str:
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    expr = value.node.expr.xreplace(dict.fromkeys(tokens, token_symbol()))
+    return int(expr) if expr.is_number else str(expr)
