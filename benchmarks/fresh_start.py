@@ -260,8 +260,10 @@ def main() -> None:
         prime.run([sys.executable, "-c", "import kiln.engine, kiln.compile.backend, torch._inductor.compile_fx"],
                   args.timeout)
         report = {"model": args.model, "device": args.device, "host_python_s": [host_python_s()], "modes": {}}
+        path = Path(args.out) / f"fresh_start_{args.device}.json"
         for mode in args.modes:
             report["modes"][mode] = measure_mode(args, mode, base, pycache)
+            path.write_text(json.dumps(report, indent=1))  # so far: a device call cut short keeps it
             for case in [c for c in ("cold", "imported", "warm") if c in report["modes"][mode]]:
                 r = report["modes"][mode][case]
                 kernels = sum(v for k, v in r["phases_s"].items() if k.startswith("kernels"))
@@ -270,7 +272,8 @@ def main() -> None:
                       f"{r['capture_s']:5.2f} s, Triton compiles {r['triton_compiles']} ({r['triton_compiled_in_workers']} in "
                       f"workers), kernels phases {kernels:.2f} s, Inductor compiles "
                       f"{r['inductor_compiles']}, Dynamo graphs {r['dynamo_graphs']}, AOT packages "
-                      f"{r['packages_loaded']}, imported Dynamo/Inductor {r['imported_dynamo']}/{r['imported_inductor']}"
+                      f"{r['packages_loaded']}, imported Dynamo/Inductor "
+                      f"{r['imported_dynamo']}/{r['imported_inductor']}"
                       + (f", compile workers warm at {r['compile_workers_warm_s']:.2f} s, jobs at "
                          f"{r['compile_workers_jobs_s']:.2f} s" if r["compile_workers_warm_s"] else "")
                       + (f", last kernel submitted at {max(k[1] for k in r['precompile_kernels']):.2f} s and "
@@ -293,7 +296,6 @@ def main() -> None:
 
     report["torch"] = torch.__version__
     report["gpu"] = torch.cuda.get_device_name() if args.device == "cuda" else None
-    path = Path(args.out) / f"fresh_start_{args.device}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
 
