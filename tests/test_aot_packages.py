@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from cache_process import MAX_TOKENS, run_python
+from cache_process import MAX_TOKENS, max_error, run_python, start
 from torch import fx
 
 from kiln.compile.aot_piece import PackageMismatch, check_package
@@ -80,6 +80,14 @@ def test_a_start_from_packages_imports_neither_dynamo_nor_inductor_and_generates
     assert aot["inductor_compiles"] == 0 and aot["graphs_seen"] == 0
     assert aot["imported"] == []
     # The same entry without its packages: Inductor's artifacts serve, and say the same tokens.
+    inductor, _ = _generate(_without_packages(root, tmp_path))
+    assert inductor["packages_loaded"] == 0 and inductor["pieces_loaded"] == 3 and inductor["inductor_compiles"] == 0
+    assert "torch._inductor" in inductor["imported"]
+    assert aot["tokens"] == inductor["tokens"]
+
+
+def _without_packages(root, tmp_path):
+    """A copy of `root` whose entry lists no package (its Inductor artifacts serve)."""
     plain = tmp_path / "root"
     shutil.copytree(root, plain)
     manifest_path = _entry(plain) / "manifest.json"
@@ -89,10 +97,24 @@ def test_a_start_from_packages_imports_neither_dynamo_nor_inductor_and_generates
     for rel in [rel for rel in manifest["files"] if rel.endswith(".aot.pt2")]:
         del manifest["files"][rel]
     manifest_path.write_text(json.dumps(manifest))
-    inductor, _ = _generate(plain)
-    assert inductor["packages_loaded"] == 0 and inductor["pieces_loaded"] == 3 and inductor["inductor_compiles"] == 0
-    assert "torch._inductor" in inductor["imported"]
-    assert aot["tokens"] == inductor["tokens"]
+    return plain
+
+
+def test_a_piece_aotinductor_fails_on_is_reported_and_keeps_its_artifact(prewarmed, tmp_path, monkeypatch):
+    import kiln.compile.aot_piece
+
+    def fail(*args):
+        raise RuntimeError("C++ compile failed\nthe compiler's output")
+
+    monkeypatch.setattr(kiln.compile.aot_piece, "build_package", fail)
+    root = _without_packages(prewarmed[0], tmp_path)
+    model, compiled, _ = start(root)
+    report = compiled.package_pieces()
+    assert report["packages"] == 0 and len(report["refused"]) == 3
+    assert all(why == "AOTInductor failed (RuntimeError: C++ compile failed)" for why in report["refused"].values())
+    assert not compiled.entry.packaged() and compiled.entry.complete()
+    assert not list((_entry(root) / "pieces").glob("*.aot.pt2*"))  # nothing half-written left
+    assert max_error(model, compiled) <= 1e-4
 
 
 def test_a_damaged_package_is_dropped_and_its_inductor_artifact_serves(prewarmed, tmp_path):

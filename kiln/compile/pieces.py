@@ -227,9 +227,12 @@ class PieceSet:
                             p.graph, p.inputs, shape, self.inductor_config, out))
                     packaged = load_package(path, piece.inputs, piece.graph)
                     check_package(packaged, table[i], piece.graph, piece.inputs, shape)
-                except (NotPackable, PackageMismatch) as e:
-                    refused[label] = str(e)
-                    logger.warning("no AOT package for %s: %s", label, e)
+                except Exception as e:  # what a package cannot express, or AOTInductor failing: the artifact serves
+                    if no_room(e) is not None:
+                        raise
+                    refused[label] = str(e) if isinstance(e, (NotPackable, PackageMismatch)) else \
+                        f"AOTInductor failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                    logger.warning("no AOT package for %s: %s", label, refused[label])
                     with self.store.lock():
                         self.store.forget_package(i, shape)
                     continue
