@@ -3,8 +3,8 @@ piece's kernels and the code that launches them), and run back through torch's C
 
 Loading an Inductor artifact imports Dynamo and most of Inductor first (~2 s of the GIL in an
 -O2 start on an H200 host, benchmarks/results/fresh_start_gil_h200/; an imported SmolLM2 -O2
-start on the dev VM was ready in 2.38 s with them, 1.02 s without, fresh_start_cpu.json); a
-package loads in milliseconds with neither. `kiln prewarm --aot` packages every piece and shape
+start on the dev VM was ready in 2.32 s with them, 0.73 s from packages, fresh_start_cpu.json);
+a package loads in milliseconds with neither. `kiln prewarm --aot` packages every piece and shape
 of an entry beside its Inductor artifacts; a warm start uses the packages where it finds them.
 
 A package is built from the piece's graph as Dynamo traced it, re-traced by torch.export with
