@@ -89,18 +89,21 @@ def _inductor_changes() -> dict:
     config = sys.modules.get("torch._inductor.config")
     if config is None:
         return {}
-    from torch.utils._config_module import _UNSET_SENTINEL
+    try:
+        from torch.utils._config_module import _UNSET_SENTINEL
 
-    changes = {}
-    for name, value in _portable(config).items():
-        entry = config._config.get(name)
-        if entry is None:
-            continue
-        base = next((v for v in (entry.env_value_force, entry.env_value_default) if v is not _UNSET_SENTINEL),
-                    entry.default)
-        if _plain(base) != value:
-            changes[name] = value
-    return changes
+        changes = {}
+        for name, value in _portable(config).items():
+            entry = config._config.get(name)
+            if entry is None:
+                continue
+            base = next((v for v in (entry.env_value_force, entry.env_value_default) if v is not _UNSET_SENTINEL),
+                        entry.default)
+            if _plain(base) != value:
+                changes[name] = value
+        return changes
+    except (ImportError, AttributeError):  # a torch whose config module is built otherwise: all of it
+        return {"all": _portable(config)}
 
 
 def _version(package: str) -> str | None:
