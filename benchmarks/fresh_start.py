@@ -33,7 +33,8 @@ kiln's precompile, in precompile_workers processes over precompile_s, the compil
 precompile_kernel_s with precompile_launcher_s of C launchers, and precompile_kernels: each
 kernel's name and when it was submitted and done, seconds after the precompile began),
 inductor_compiles, dynamo_graphs, packages_loaded (AOT packages: mode O2-aot, prewarmed with --aot),
-imported_dynamo and imported_inductor (whether the start imported them), compile_workers_warm_s and compile_workers_jobs_s (a cold start with compile workers: seconds
+imported_dynamo and imported_inductor (whether the start imported them), compile_workers_warm_s
+and compile_workers_jobs_s (a cold start with compile workers: seconds
 from their spawn until the last was warm, and until the pieces were handed to them; 0 without
 workers), kv_blocks (what the KV cache got: on a GPU, what the memory profile left),
 warm_phases_s (a warm start's parts, the compile preload's own steps among them as background.*).

@@ -202,7 +202,6 @@ class PieceSet:
             logger.warning("compile cache: AOT package %s could not be loaded (%s: %s); using the Inductor artifact",
                            path, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             self.store.forget_package(index, shape)
-            self.store.packages_done(shape, len(self.uniques))
             return None
 
     def package(self, shapes: list[TokenShape]) -> dict:
@@ -237,8 +236,6 @@ class PieceSet:
                         self.store.forget_package(i, shape)
                     continue
                 built += 1
-            with self.store.lock():
-                self.store.packages_done(shape, len(self.uniques))
         return {"packages": built, "refused": refused, "seconds": time.perf_counter() - start}
 
     def _compile_all(self, shape: TokenShape, table: list[Callable | None]) -> list[Callable]:

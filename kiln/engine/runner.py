@@ -191,8 +191,8 @@ class ModelRunner:
         if self.device.type == "cuda":  # kiln's own kernels compile into the cache root (where one is on)
             triton_kernels.use_cache_root(cache.root.path) if cache is not None else triton_kernels.listen()
             triton_kernels.start_up(done=False)
-        if config.compilation_config.mode != 0 and not packaged_start_likely(config.compilation_config, cache,
-                                                                            self.device):
+        packaged = packaged_start_likely(config.compilation_config, cache, self.device)
+        if config.compilation_config.mode != 0 and not packaged:
             # A compile imports Dynamo anyway (~1 s): here, on the timeline, before the threads below
             # start (two threads importing the same circular modules can deadlock). Eager, or a start
             # from AOT packages, never.
@@ -200,7 +200,8 @@ class ModelRunner:
                 importlib.import_module("torch._dynamo")
         # A warm start's once-per-process work (imports, torch's and Triton's keys) runs while the weights load,
         # and so does Triton's driver start (on a fresh machine it builds its C utilities first: ~0.7 s).
-        preload_if_warm(config.compilation_config, cache, self.device)
+        if not packaged:
+            preload_if_warm(config.compilation_config, cache, self.device)
         start_before_cold_start(config.compilation_config, cache, self.device.type)
         if isa_probes_ahead_due(config.compilation_config, cache, self.device):
             with timeline.phase("imports"), collector_paused():  # the modules the probes' thread uses, on this one

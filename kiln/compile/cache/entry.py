@@ -269,7 +269,7 @@ class CacheEntry:
     # -- AOT packages (kiln.compile.aot_piece) -------------------------------------------------
 
     def package(self, index: int, shape: TokenShape) -> str:
-        return f"pieces/piece{index}.{shape_tag(shape)}.aot.pt2"
+        return _package_of(self.artifact(index, shape))
 
     def package_path(self, index: int, shape: TokenShape) -> Path | None:
         """The checked package of unique piece `index` for `shape`; None if absent or bad (then removed)."""
@@ -306,21 +306,11 @@ class CacheEntry:
         self._forget(self.package(index, shape))
         self._write_manifest()
 
-    def packages_done(self, shape: TokenShape, num_pieces: int) -> None:
-        """Record which of `shape`'s pieces have packages; write the manifest."""
-        record = self.manifest["shapes"][shape_tag(shape)]
-        record["packages"] = [self.package(i, shape) for i in range(num_pieces)
-                              if self.package(i, shape) in self.manifest["files"]]
-        self._write_manifest()
-
     def shape_done(self, shape: TokenShape, size_hint: int, num_pieces: int) -> None:
         """Record `shape` and the built files Inductor left for it; write the manifest."""
-        tag = shape_tag(shape)
-        packages = self.manifest["shapes"].get(tag, {}).get("packages")
-        self.manifest["shapes"][tag] = {
+        self.manifest["shapes"][shape_tag(shape)] = {
             "lo": shape.lo, "hi": shape.hi, "size_hint": size_hint,
-            "artifacts": [self.artifact(i, shape) for i in range(num_pieces)],
-            **({"packages": packages} if packages else {})}
+            "artifacts": [self.artifact(i, shape) for i in range(num_pieces)]}
         inductor = self.path / INDUCTOR
         make_private(inductor)
         for path in sorted(inductor.rglob("*")) if inductor.exists() else []:
@@ -525,8 +515,12 @@ def packaged(manifest: dict) -> bool:
     """Whether an entry's manifest holds a package for every piece of every shape it holds."""
     files, shapes = manifest.get("files", {}), manifest.get("shapes", {}).values()
     held = [s for s in shapes if all(rel in files for rel in s.get("artifacts", []))]
-    return bool(held) and all(len(s.get("packages", [])) == len(s["artifacts"]) and
-                              all(rel in files for rel in s["packages"]) for s in held)
+    return bool(held) and all(_package_of(rel) in files for s in held for rel in s["artifacts"])
+
+
+def _package_of(artifact: str) -> str:
+    """The AOT package's name beside a piece's Inductor artifact."""
+    return artifact.removesuffix(".inductor.bin") + ".aot.pt2"
 
 
 def shape_tag(shape: TokenShape) -> str:

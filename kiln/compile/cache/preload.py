@@ -181,11 +181,17 @@ def start_preload(device: torch.device, probe_entry: Path | None = None) -> Prel
         return None
 
 
+def _loads_pieces(config: CompilationConfig, cache: CompileCache | None) -> bool:
+    """Whether a start under `config` may load Inductor pieces from `cache` (never on the eager path)."""
+    return cache is not None and config.mode == 3 and not config.debug_guards and config.piece_compiler == "inductor"
+
+
 def packaged_start_likely(config: CompilationConfig, cache: CompileCache | None, device: torch.device) -> bool:
     """Whether this start will likely load AOT packages only (kiln prewarm --aot made one of every
     piece in the entry of this model on this device written last): it needs neither Dynamo nor
-    Inductor, so nothing imports them ahead. A wrong guess costs only the imports, made on first use."""
-    if cache is None or config.mode != 3 or config.debug_guards or config.piece_compiler != "inductor":
+    Inductor, so nothing imports them ahead and no preload starts. A wrong guess costs only the
+    imports, made on first use."""
+    if not _loads_pieces(config, cache):
         return False
     entries = cache.root.entries_for(cache.name, device.type)
     try:
@@ -195,12 +201,13 @@ def packaged_start_likely(config: CompilationConfig, cache: CompileCache | None,
 
 
 def preload_if_warm(config: CompilationConfig, cache: CompileCache | None, device: torch.device) -> Preload | None:
-    """Start the preload if this start will likely be warm (see the module's doc) and load
-    Inductor artifacts, and hand it to `cache`, where the warm start finds it. Never on the eager path."""
-    if cache is None or config.mode != 3 or config.debug_guards or config.piece_compiler != "inductor":
+    """Start the preload if this start will likely be warm (see the module's doc), and hand
+    it to `cache`, where the warm start finds it. (A start from AOT packages needs none: the
+    engine asks packaged_start_likely first.)"""
+    if not _loads_pieces(config, cache):
         return None
     entries = cache.root.entries_for(cache.name, device.type)
-    if not entries or packaged_start_likely(config, cache, device):
+    if not entries:
         return None
     # On the CPU, Inductor's ISA probes and a first load of the pieces too, in the entry last written:
     # most likely the one this start will use (if not, that one does both itself, as without the preload).
