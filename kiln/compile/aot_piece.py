@@ -45,7 +45,9 @@ class PackagedPiece:
         self.single_output = single_output
         device = next((x.device for x in inputs if x.kind == "tensor" and x.device.type != "cpu"), None)
         index = -1 if device is None else device.index if device.index is not None else torch.cuda.current_device()
-        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, index)
+        # Single-threaded: the default runner records a CUDA event after each run and queries it
+        # before the next, which a CUDA-graph capture forbids (the engine calls pieces from one thread).
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, index)
         _loaded.add(self)
 
     def __call__(self, *args):
