@@ -181,7 +181,8 @@ def kiln(*argv: str) -> list[str]:
 
 
 def measure_mode(args, mode: str, base: Path, pycache: Path) -> dict:
-    cases = {} if mode in WARM_ONLY else {"cold": Sandbox(base, f"{mode}-cold", pycache).start(args, mode, "cold")}
+    cold = mode not in WARM_ONLY and not args.warm_only
+    cases = {"cold": Sandbox(base, f"{mode}-cold", pycache).start(args, mode, "cold")} if cold else {}
     if args.cold_only:
         return cases
     archive = base / f"{mode}.tar"
@@ -230,6 +231,8 @@ def main() -> None:
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--cold-only", action="store_true",
                    help="each mode's cold start alone (about 15 s a mode on the GPU, not 100: for A/B runs)")
+    p.add_argument("--warm-only", action="store_true",
+                   help="each mode's imported and warm starts alone, no cold start")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", default=".")
     p.add_argument("--profile-to", help=argparse.SUPPRESS)  # the child's: where its stats go
@@ -239,6 +242,8 @@ def main() -> None:
     p.add_argument("--py-spy", metavar="PY_SPY",
                    help="the py-spy binary: each start sampled by it (see the module's doc); the times grow a little")
     args = p.parse_args()
+    if args.cold_only and args.warm_only:
+        p.error("--cold-only and --warm-only leave nothing to run: pass one")
     if args.profile and args.py_spy:
         p.error("--profile and --py-spy each slow a start their own way: pass one")
     if args.device == "cpu" and "default" in args.modes and not args.child:

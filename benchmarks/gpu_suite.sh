@@ -60,9 +60,9 @@ for part in $parts; do
         # A fresh machine: cold, imported archive and warm starts, default and -O2, beside stock
         # torch.compile's first call (about 5 minutes).
         fresh) run python benchmarks/fresh_start.py --modes default O2 --out "$OUT" ;;
-        # -O2 imported and warm from AOTInductor packages (prewarm --aot) beside plain -O2, one run.
+        # -O2 imported and warm from AOTInductor packages (prewarm --aot) beside plain -O2's, one run.
         fresh-aot) mkdir -p "$OUT/aot" && run python benchmarks/fresh_start.py --modes O2-aot O2 --no-reference \
-                       --out "$OUT/aot" ;;
+                       --warm-only --out "$OUT/aot" ;;
         # The mixed-batch phase's coarse ladder beside the fine one under -O2: warm-start capture
         # time, and one n-token prompt's generate() at each n to 128 (about 3 minutes).
         ladder) run python benchmarks/prefill_ladder.py --out "$OUT" ;;
