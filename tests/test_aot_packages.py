@@ -159,6 +159,38 @@ def test_the_compiler_factor_needs_no_inductor_import_and_sees_its_changes():
     assert compiler_factor(torch.device("cpu")) == before  # a patch undone leaves no trace
 
 
+def test_the_compiler_factor_does_not_see_kilns_own_patches_in_any_thread():
+    """torch 2.11's patches are global: the ISA probes' patch, held by the preload thread while
+    the main thread made the key, gave a prewarm an entry its starts never found."""
+    import threading
+
+    import torch._inductor.config
+
+    from kiln.compile.inductor_patches import patched
+
+    before = compiler_factor(torch.device("cpu"))
+    setting = {"max_autotune": not torch._inductor.config.max_autotune}
+    with patched(setting), patched({"cpp.vec_isa_ok": True}):
+        assert compiler_factor(torch.device("cpu")) == before
+    entered, release = threading.Event(), threading.Event()
+
+    def hold():
+        with patched(setting):
+            entered.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert entered.wait(30)
+        assert compiler_factor(torch.device("cpu")) == before
+    finally:
+        release.set()
+        holder.join()
+    with torch._inductor.config.patch(setting):  # a patch of someone else's still counts
+        assert compiler_factor(torch.device("cpu"))["inductor_changes"] == setting
+
+
 @pytest.mark.parametrize("name", ["torch._dynamo.polyfills.builtins", "torch.nn.modules.container",
                                   "torch._higher_order_ops.invoke_subgraph", "kiln.ops.norm", "torch._inductor"])
 def test_a_traced_modules_source_is_found_without_importing_its_package(name):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
+from kiln.compile.inductor_patches import patched
+
 
 class PartitionSlot:
     """Stands in for one partition function; runs it directly or through the current wrapper."""
@@ -61,9 +63,7 @@ def inductor_scope(settings: dict, partitions: Partitions | None = None):
     """Around a compile or load of one of kiln's pieces: Inductor's settings for it and, where
     Inductor partitions at the split ops, the hook (`partitions`', or generate_only where no
     caller wraps them)."""
-    import torch._inductor.config  # here: a warm start that loads only packages imports no Inductor
-
-    with torch._inductor.config.patch(settings):
+    with patched(settings):
         if not (settings.get("graph_partition") and settings.get("custom_should_partition_ops")):
             yield
             return

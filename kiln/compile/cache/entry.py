@@ -37,6 +37,7 @@ from kiln.compile.cache import graph_pickle
 from kiln.compile.cache.key import FACTORS
 from kiln.compile.cache.store import EntryBusy, EntryLock, make_private, no_room, private_dir, sha256_file, write_atomic
 from kiln.compile.gc_pause import collector_paused
+from kiln.compile.inductor_patches import patched
 from kiln.compile.monitor import logger
 from kiln.compile.shapes import TokenShape
 
@@ -349,10 +350,8 @@ class CacheEntry:
 
     @contextlib.contextmanager
     def loader_dirs(self):
-        import torch._inductor.config
-
         # One thread: loading compiles nothing, and a worker pool would only cost start-up.
-        with self.compiler_dirs(), torch._inductor.config.patch({"compile_threads": 1}):
+        with self.compiler_dirs(), patched({"compile_threads": 1}):
             yield
 
     # -- what `kiln cache` shows ------------------------------------------------------------
@@ -405,12 +404,11 @@ _PROBED: set[Path] = set()  # entries whose Inductor dir holds this process's IS
 @contextlib.contextmanager
 def _inductor_dir(path: Path):
     """Inductor's cache dir set to the entry at `path`'s own."""
-    import torch._inductor.config
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
     # The base vector ISA is taken from the CPU's flags instead of probed with a compiler
     # run and a subprocess per ISA; compile and load must agree, as the ISA is in the .so's name.
-    with temporary_cache_dir(str(path / INDUCTOR)), torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+    with temporary_cache_dir(str(path / INDUCTOR)), patched({"cpp.vec_isa_ok": True}):
         yield
 
 

@@ -85,12 +85,15 @@ def compiler_factor(device: torch.device) -> dict:
 def _inductor_changes() -> dict:
     """Inductor's settings whose value this process changed from the default (or from what a
     variable set: inductor_env and the env factor hold those); nothing if it has not imported
-    Inductor. Values, not Inductor's own override flags: a config.patch leaves those set."""
+    Inductor. Values, not Inductor's own override flags: a config.patch leaves those set; and
+    outside kiln's own patches (inductor_patches)."""
     config = sys.modules.get("torch._inductor.config")
     if config is None:
         return {}
     try:
         from torch.utils._config_module import _UNSET_SENTINEL
+
+        from kiln.compile.inductor_patches import value_outside
 
         changes = {}
         for name, value in _portable(config).items():
@@ -99,6 +102,7 @@ def _inductor_changes() -> dict:
                 continue
             base = next((v for v in (entry.env_value_force, entry.env_value_default) if v is not _UNSET_SENTINEL),
                         entry.default)
+            value = _plain(value_outside(name, value))
             if _plain(base) != value:
                 changes[name] = value
         return changes
