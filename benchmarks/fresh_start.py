@@ -242,6 +242,11 @@ def main() -> None:
     p.add_argument("--py-spy", metavar="PY_SPY",
                    help="the py-spy binary: each start sampled by it (see the module's doc); the times grow a little")
     args = p.parse_args()
+    if "O2-aot" in args.modes and not args.child:
+        from kiln.compile.aot_piece import refused_on
+
+        if why := refused_on(args.device):
+            p.error(why)
     if args.cold_only and args.warm_only:
         p.error("--cold-only and --warm-only leave nothing to run: pass one")
     if args.profile and args.py_spy:

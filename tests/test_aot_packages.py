@@ -208,3 +208,18 @@ def test_prewarm_aot_is_refused_without_a_piecewise_compile(tmp_path):
     run = run_python(*PREWARM, "-O0", "--aot", env={"KILN_CACHE_ROOT": str(tmp_path)})
     assert run.returncode != 0
     assert "--aot packages the pieces of a piecewise compile (-O1..-O3); mode 0 has none" in run.stderr
+
+
+def test_prewarm_aot_is_refused_on_cuda_before_anything_starts(monkeypatch, capsys):
+    import argparse
+
+    import kiln.config
+    from kiln.tools import prewarm
+
+    monkeypatch.setattr(kiln.config, "has_cuda_gpu", lambda: True)
+    monkeypatch.setattr(prewarm, "prewarm", lambda *a, **k: pytest.fail("prewarm started"))
+    commands = argparse.ArgumentParser().add_subparsers()
+    prewarm.register(commands)
+    args = commands.choices["prewarm"].parse_args(["--model", "tiny-llama", "--device", "cuda", "-O2", "--aot"])
+    with pytest.raises(ValueError, match="AOT packages are not made for CUDA: .*prewarm without --aot"):
+        prewarm.run(args)

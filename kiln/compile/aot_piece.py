@@ -29,6 +29,17 @@ from kiln.compile.piece_input import TOKENS, PieceInput, evaluate
 from kiln.compile.shapes import TokenShape, size_hint
 
 
+def refused_on(device_type: str) -> str | None:
+    """Why packages are not made for pieces on `device_type`, None where they are."""
+    if device_type == "cuda":
+        # H100, torch 2.11 + CUDA 13.0 (2026-12-07): torch's loader crashed the process (SIGSEGV)
+        # constructing a loader for an -O2 Llama piece, whose kiln ops it calls through its proxy
+        # executor; the same pieces load and run on the CPU. Refused until a GPU run finds the cause.
+        return ("AOT packages are not made for CUDA: torch's package loader crashed (segmentation fault) "
+                "loading kiln's pieces on torch 2.11 (the cause is not found yet); prewarm without --aot")
+    return None
+
+
 class NotPackable(Exception):
     """A piece AOTInductor cannot take as it is (the piece keeps its Inductor artifact)."""
 

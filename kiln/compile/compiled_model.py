@@ -346,6 +346,11 @@ class CompiledModel:
         if self.config.piece_compiler != "inductor" or self.config.splitting_mode != "fx":
             raise ValueError(f"AOT packages are made of Inductor pieces of an FX split; this forward has "
                              f"{self.config.piece_compiler} pieces, splitting_mode {self.config.splitting_mode!r}")
+        from kiln.compile.aot_piece import refused_on
+
+        device = next(iter(self.model.parameters()), torch.zeros(0)).device
+        if why := refused_on(device.type):
+            raise ValueError(why)
         return self.backend.pieces.package(self.backend.plan.all_shapes())
 
     def start_from_cache(self) -> bool:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.compile.aot_piece import refused_on
 from kiln.compile.config import DEFAULT_COMPILATION_LEVEL, CompilationConfig
 from kiln.config import EngineConfig
 
@@ -186,6 +187,8 @@ def run(args) -> int:
         raise ValueError(f"--aot packages the pieces of a piecewise compile (-O1..-O3); mode {compilation.mode} "
                          f"has none")
     config = EngineConfig.from_args(args)
+    if args.aot and (why := refused_on(config.torch_device.type)):
+        raise ValueError(why)
     config = dataclasses.replace(config, compilation=with_shapes(compilation, shapes, config.torch_device.type))
     with torch.inference_mode():
         report = prewarm(config, aot=args.aot)
