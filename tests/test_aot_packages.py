@@ -210,7 +210,7 @@ def test_prewarm_aot_is_refused_without_a_piecewise_compile(tmp_path):
     assert "--aot packages the pieces of a piecewise compile (-O1..-O3); mode 0 has none" in run.stderr
 
 
-def test_prewarm_aot_is_refused_on_cuda_before_anything_starts(monkeypatch, capsys):
+def test_prewarm_aot_is_refused_on_cuda_before_anything_starts(monkeypatch):
     import argparse
 
     import kiln.config
