@@ -100,10 +100,13 @@ def _variants():
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=".")
+    p.add_argument("--variants", nargs="+", help="only these, in this order (default: all)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kiln-aot-probe-"))
     report = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "variants": {}}
-    for name, (module, inputs) in _variants().items():
+    variants = _variants()
+    for name in args.variants or list(variants):
+        module, inputs = variants[name]
         row = report["variants"][name] = {}
         try:
             program = torch.export.export(module, inputs, strict=False)
