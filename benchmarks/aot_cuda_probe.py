@@ -7,7 +7,8 @@ proxy executor, and the same kind of piece loads on the CPU. This builds small p
 differ in one thing each (no custom op; a custom op of our own with a defaulted argument; kiln's
 rms_norm; kiln's skinny_linear) and loads each in a child process (a crash is a return code, not
 the end of the probe), with the runner single-threaded and not, then runs it, then captures and
-replays it in a CUDA graph. Writes aot_cuda_probe.json:
+replays it in a CUDA graph. The first child to die by a signal is run again under gdb, where the
+machine has it, for its C++ frames. Writes aot_cuda_probe.json:
 
     python benchmarks/aot_cuda_probe.py --out DIR
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -97,6 +99,19 @@ def _variants():
             "kiln_skinny_linear": (SkinnyLinear(), (x, w))}
 
 
+def native_stack(command: list[str]) -> list[str]:
+    """The C++ frames of a child that died by a signal, rerun under gdb where the machine has it
+    (faulthandler shows the Python frames only)."""
+    if shutil.which("gdb") is None:
+        return ["gdb is not installed here"]
+    try:  # gdb reads libtorch's symbols first: bounded, so a slow machine still gets the probe's JSON
+        done = subprocess.run(["gdb", "-batch", "-ex", "run", "-ex", "bt 40", "--args", *command],
+                              capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        return ["gdb took over 180 s"]
+    return [line for line in done.stdout.splitlines() if line.startswith("#")][:40] or done.stdout[-2000:].splitlines()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=".")
@@ -105,6 +120,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kiln-aot-probe-"))
     report = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "variants": {}}
     variants = _variants()
+    stacks_taken = False
     for name in args.variants or list(variants):
         module, inputs = variants[name]
         row = report["variants"][name] = {}
@@ -117,12 +133,16 @@ def main() -> None:
             continue
         torch.save(list(inputs), work / f"{name}.inputs.pt")
         for single in (False, True):
-            done = subprocess.run([sys.executable, "-c", CHILD, package, str(work / f"{name}.inputs.pt"),
-                                   "1" if single else "0"], capture_output=True, text=True, timeout=300)
+            child = [sys.executable, "-X", "faulthandler", "-c", CHILD, package, str(work / f"{name}.inputs.pt"),
+                     "1" if single else "0"]
+            done = subprocess.run(child, capture_output=True, text=True, timeout=300)
             steps = done.stdout.split("\n")
-            row["single_threaded" if single else "default_runner"] = {
+            result = row["single_threaded" if single else "default_runner"] = {
                 "returncode": done.returncode, "reached": [s for s in steps if s],
                 "stderr_tail": done.stderr[-800:] if done.returncode else ""}
+            if done.returncode < 0 and not stacks_taken:  # one gdb run: each costs a minute or more
+                result["native_stack"] = native_stack(child)
+                stacks_taken = True
         print(name, json.dumps(row, indent=1), flush=True)
     out = Path(args.out) / "aot_cuda_probe.json"
     out.parent.mkdir(parents=True, exist_ok=True)
