@@ -8,7 +8,9 @@ differ in one thing each (no custom op; a custom op of our own with a defaulted 
 rms_norm; kiln's skinny_linear) and loads each in a child process (a crash is a return code, not
 the end of the probe), with the runner single-threaded and not, then runs it, then captures and
 replays it in a CUDA graph. The first child to die by a signal is run again under gdb, where the
-machine has it, for its C++ frames. Writes aot_cuda_probe.json:
+machine has it, for its C++ frames. Writes aot_cuda_probe.json. On an H200 with the same torch
+(2026-12-07) every child crashed in the loader's constructor, the plain package's too
+(benchmarks/results/aot_cuda_probe_h200/):
 
     python benchmarks/aot_cuda_probe.py --out DIR
 """

@@ -32,11 +32,13 @@ from kiln.compile.shapes import TokenShape, size_hint
 def refused_on(device_type: str) -> str | None:
     """Why packages are not made for pieces on `device_type`, None where they are."""
     if device_type == "cuda":
-        # H100, torch 2.11 + CUDA 13.0 (2026-12-07): torch's loader crashed the process (SIGSEGV)
-        # constructing a loader for an -O2 Llama piece, whose kiln ops it calls through its proxy
-        # executor; the same pieces load and run on the CPU. Refused until a GPU run finds the cause.
-        return ("AOT packages are not made for CUDA: torch's package loader crashed (segmentation fault) "
-                "loading kiln's pieces on torch 2.11 (the cause is not found yet); prewarm without --aot")
+        # torch 2.11.0+cu130 (the GPU image; H100 and H200, 2026-12-07): constructing a loader for any
+        # CUDA package crashes the process (SIGSEGV), torch's own aoti_load_package of a package
+        # without custom ops included (benchmarks/results/aot_cuda_probe_h200/). No newer torch has
+        # run kiln on a GPU, so CUDA is refused on every version until one loads a package there.
+        return ("AOT packages are not made for CUDA: torch 2.11's package loader crashes the process "
+                "(segmentation fault) loading any CUDA package, and no newer torch has been tried on a GPU; "
+                "prewarm without --aot")
     return None
 
 
