@@ -73,10 +73,29 @@ def test_piecewise_capture_stamps_and_matches_eager(tiny_llama_factory, caplog, 
     stats = compiled.stats
     assert stats["stamped_layers"] == 2
     assert (stats["pieces"], stats["unique_pieces"], stats["opaque_regions"]) == (5, 3, 4)
-    # the layer classes are themselves again after the capture
+    # the layer classes are themselves again after the capture; kiln's mechanism leaves each
+    # layer the list its stamped calls' weights are read from
     assert "forward" in type(model.model.layers[0]).__dict__
-    for attr in (layer_stamping.KEY_ATTR, layer_stamping.INDEX_ATTR, layer_stamping.WEIGHTS_ATTR):
-        assert not hasattr(model.model.layers[0], attr)
+    for layer in model.model.layers:
+        for attr in (layer_stamping.KEY_ATTR, layer_stamping.INDEX_ATTR):
+            assert not hasattr(layer, attr)
+        kept = getattr(layer, layer_stamping.WEIGHTS_ATTR, None)
+        if mechanism == "kiln":
+            assert [id(t) for t in kept] == [id(t) for t in [*layer.parameters(), *layer.buffers()]]
+        else:
+            assert kept is None
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_calls_after_a_stamped_capture_run_dynamo_s_code_and_match_eager(tiny_llama_factory, mechanism):
+    # Mode 2 keeps running Dynamo's bytecode after the capture; it reads each stamped call's
+    # weights from where the trace found them (on torch 2.11 every second call raised).
+    model = tiny_llama_factory(4)
+    compiled = compile_model(model, CompilationConfig(mode=2, backend="aot_eager", stamp_mechanism=mechanism), 32)
+    for n in (7, 7, 12, 3):
+        ids, pos = torch.randint(0, 512, (n,)), torch.arange(n)
+        torch.testing.assert_close(compiled(ids, pos), model(ids, pos), rtol=1e-5, atol=1e-5)
+    assert compiled.stats["stamped_layers"] == 2
 
 
 def test_a_torch_without_reuse_hash_fn_stamps_with_kiln_s_own_mechanism(tiny_llama_factory, monkeypatch, caplog):

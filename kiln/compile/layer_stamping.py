@@ -39,7 +39,10 @@ from kiln.compile.split import op_name
 
 KEY_ATTR = "_kiln_stamp_key"  # set on each layer instance for the length of a capture
 INDEX_ATTR = "_kiln_stamp_index"
-WEIGHTS_ATTR = "_kiln_stamp_weights"  # kiln mechanism: the layer's parameters and buffers, in _weights order
+# kiln mechanism: the layer's parameters and buffers, in _weights order. It stays after the
+# capture: Dynamo's bytecode reads a stamped call's weights from it on every call where the
+# forward keeps that bytecode (mode 2; mode 3 binds its inputs by identity, kiln.compile.direct_call).
+WEIGHTS_ATTR = "_kiln_stamp_weights"
 OFF = "set -cc.stamp_repeated_layers=false"
 MECHANISMS = ("auto", "nested_compile_region", "kiln")
 
@@ -126,7 +129,8 @@ def stamping(model: nn.Module, mechanism: str = "auto") -> Iterator[None]:
     for index, (path, layer) in enumerate(layers):
         setattr(layer, KEY_ATTR, keys.setdefault(_structure(layer, path), len(keys)))
         setattr(layer, INDEX_ATTR, index)
-        object.__setattr__(layer, WEIGHTS_ATTR, [t for _, t in _weights(layer)])  # a plain list, not registered
+        if mechanism == "kiln":
+            object.__setattr__(layer, WEIGHTS_ATTR, [t for _, t in _weights(layer)])  # a plain list, not registered
     # A class may inherit its forward: then the wrapper is removed again, not replaced.
     originals = {cls: cls.__dict__.get("forward") for cls in {type(m) for _, m in layers}}
     _capture.begin(layers)
@@ -147,7 +151,7 @@ def stamping(model: nn.Module, mechanism: str = "auto") -> Iterator[None]:
             else:
                 cls.forward = forward
         for _, layer in layers:
-            for attr in (KEY_ATTR, INDEX_ATTR, WEIGHTS_ATTR):
+            for attr in (KEY_ATTR, INDEX_ATTR):
                 if attr in vars(layer):
                     delattr(layer, attr)
 
