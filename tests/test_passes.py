@@ -152,6 +152,9 @@ def test_noop_elimination_removes_identities_only():
     assert all(torch.equal(a, b) for a, b in zip(gm(torch.ones(3, 8)), _noop_candidates(torch.ones(3, 8))))
 
 
+OLD_TORCH = torch.torch_version.TorchVersion(torch.__version__) < (2, 12)
+
+
 @torch.library.custom_op("kiln_test::scale_", mutates_args=("x",))
 def scale_(x: torch.Tensor, factor: float) -> None:
     x.mul_(factor)
@@ -173,6 +176,7 @@ def test_reinplace_removes_the_copies_of_functionalized_mutations():
         got = torch.compile(_mutations, backend="inductor", fullgraph=True)(x, y)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(x, want_x)
-    # Two clones (one per mutated tensor) and the copy_ back into x, before; none after.
-    assert seen == {"copies_before": 3, "copies_after": 0}
+    # torch 2.13 hands the pass two clones (one per mutated tensor) and the copy_ back into x;
+    # torch 2.11 has reinplaced the clones itself by then (2.12 was never run here). None after.
+    assert seen == {"copies_before": 1 if OLD_TORCH else 3, "copies_after": 0}
     assert manager.monitor.counters.pass_matches["reinplace"] == 2
