@@ -12,6 +12,11 @@ from kiln.compile.cache.entry import CacheEntry
 from kiln.compile.compile_workers import PieceResult
 from kiln.compile.config import CompilationConfig
 
+# Once Inductor is imported, a CUDA build of torch marks every later fork unusable (the child's
+# torch.cuda._is_in_bad_fork(): the 2.11.0+cu130 wheel, even without a GPU), so kiln spawns its
+# workers there; the CPU build forks.
+forks = pytest.mark.skipif(torch.version.cuda is not None,
+                           reason="this CUDA build of torch poisons forks once Inductor is imported")
 # One range [1, 64] and one exact size: 2 shapes x 3 unique pieces of the 2-layer toy.
 CONFIG = dict(mode=3, piece_compiler="inductor", strategy="lazy", compile_sizes=[4])
 TOKEN_COUNTS = (1, 4, 9, 64)
@@ -30,7 +35,7 @@ def _start(model, root, workers, **overrides):
     return compiled
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", [pytest.param("fork", marks=forks), "spawn"])
 def test_workers_compile_the_pieces_and_a_second_start_loads_them(tiny_llama, tmp_path, caplog, monkeypatch,
                                                                    start_method):
     # Forked where the parent has no other thread and no CUDA, else spawned: both ways here (the
@@ -128,6 +133,7 @@ def test_workers_started_before_a_cold_start_compile_its_capture(tiny_llama, tmp
     assert fresh.workers is None
 
 
+@forks
 def test_workers_started_ahead_are_forked_there_and_taken_by_an_engine_built_on_another_thread(tiny_llama, tmp_path,
                                                                                             monkeypatch):
     """`kiln serve` builds its engine on a thread beside uvicorn's loop, where workers could only
