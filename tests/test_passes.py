@@ -177,6 +177,6 @@ def test_reinplace_removes_the_copies_of_functionalized_mutations():
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(x, want_x)
     # torch 2.13 hands the pass two clones (one per mutated tensor) and the copy_ back into x;
-    # torch 2.11 has reinplaced the clones itself by then (2.12 was never run here). None after.
+    # torch 2.11 hands it one copy (2.12 was never run here). None after, on both.
     assert seen == {"copies_before": 1 if OLD_TORCH else 3, "copies_after": 0}
     assert manager.monitor.counters.pass_matches["reinplace"] == 2

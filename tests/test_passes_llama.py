@@ -45,6 +45,6 @@ def test_reinplace_leaves_no_copy_of_the_attention_output(fused_llama, tiny_llam
     compiled, probes = fused_llama
     layers = tiny_llama.config.num_layers
     assert compiled.stats["pass_matches"]["reinplace"] == layers
-    # torch 2.11 reinplaces these clones itself before the pass runs (2.12 was never run here)
+    # torch 2.11 hands the pass no clone of it (2.12 was never run here); none is left on either
     old_torch = torch.torch_version.TorchVersion(torch.__version__) < (2, 12)
     assert (probes["copies_before"], probes["copies_after"]) == (0 if old_torch else layers, 0)
