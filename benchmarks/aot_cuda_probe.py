@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,9 @@ torch.cuda.synchronize()
 same = all(torch.equal(a, b) for a, b in zip(expected, captured))
 print("replayed", "equal" if same else "differs", flush=True)
 """
+
+
+ROOT = Path(__file__).resolve().parents[1]  # kiln, for this process and the children, where it is not installed
 
 
 def _own_op():
@@ -119,6 +123,8 @@ def main() -> None:
     p.add_argument("--out", default=".")
     p.add_argument("--variants", nargs="+", help="only these, in this order (default: all)")
     args = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     work = Path(tempfile.mkdtemp(prefix="kiln-aot-probe-"))
     report = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "variants": {}}
     variants = _variants()
