@@ -44,7 +44,7 @@ def test_workers_compile_the_pieces_and_a_second_start_loads_them(tiny_llama, tm
     # While the workers compile, this process imports what loading their artifacts needs: before the first load.
     events = []
     prepare, load = pieces.prepare_loading, CacheEntry.load_piece
-    monkeypatch.setattr(pieces, "prepare_loading", lambda device_type: events.append(prepare(device_type)))
+    monkeypatch.setattr(pieces, "prepare_loading", lambda *args: events.append(prepare(*args)))
     monkeypatch.setattr(CacheEntry, "load_piece", lambda *a: events.append("load") or load(*a))
     with caplog.at_level(logging.INFO, logger="kiln.compile"):
         cold = _start(tiny_llama, tmp_path, workers=2)

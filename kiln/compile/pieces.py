@@ -155,7 +155,7 @@ class PieceSet:
                     self.workers.start_method)
         device = next((p.device for piece in self.uniques for p in piece.inputs if p.device is not None), None)
         # The first load below would import Inductor's loading path: it runs while the workers compile.
-        meanwhile = functools.partial(prepare_loading, device.type) if device is not None else None
+        meanwhile = functools.partial(prepare_loading, device.type, store.path.parent) if device is not None else None
         for job, result in self.workers.compile(jobs, meanwhile):
             name = self.uniques[job.index].name
             if result.error is not None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.compile import triton_worker
+from kiln.compile.cache import source_keys
 
 logger = logging.getLogger("kiln")
 
@@ -50,14 +51,14 @@ class KernelLaunch:
                            "specialization": self.specialization})
 
 
-def triton_target():
+def triton_target(root: Path | None = None):
     """The current GPU's Triton target (backend, arch, warp size). Starting Triton's driver
-    (which builds its C utilities on a fresh machine) and hashing Triton's own sources (part
-    of every cache key) happen here once, so that a caller can run this in the background."""
+    (which builds its C utilities on a fresh machine) and Triton's key (part of every cache
+    key: recorded in the cache root `root`, see kiln.compile.cache.source_keys) happen here
+    once, so that a caller can run this in the background."""
     from triton.runtime import driver
-    from triton.runtime.cache import triton_key
 
-    triton_key()
+    source_keys.triton_key(root)
     return driver.active.get_current_target()
 
 

@@ -206,7 +206,8 @@ class ModelRunner:
         if isa_probes_ahead_due(config.compilation_config, cache, self.device):
             with timeline.phase("imports"), collector_paused():  # the modules the probes' thread uses, on this one
                 probe_isa_ahead()
-        target = _in_background(triton_target) if self.device.type == "cuda" else None
+        target = _in_background(functools.partial(triton_target, cache.root.path if cache is not None else None)) \
+            if self.device.type == "cuda" else None
         with timeline.phase("weights"), collector_paused():
             self.model = build_model(source.config, self.dtype, self.device, self.custom_ops,
                                      source.weights() if source.weights and config.load_format == "auto" else None)

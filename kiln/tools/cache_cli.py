@@ -178,9 +178,11 @@ def run(args) -> int:
         print(describe_archive(args.output, export(root, args.keys, Path(args.output)), "wrote"))
         return 0
     if args.cache_command == "import":
+        from kiln.compile.cache import source_keys
         from kiln.compile.cache.archive import import_archive
 
         print(describe_archive(args.file, import_archive(root, Path(args.file)), f"imported into {root.path} from"))
+        source_keys.record(root.path)  # so that a start here hashes neither torch's sources nor Triton's
         return 0
     print("\n".join(diff(root, args.a, args.b)))
     return 0

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.compile.cache import source_keys
 from kiln.compile.cache.entry import MANIFEST, load_pieces_in, packaged, probe_isa_in
 from kiln.compile.cache.model_cache import CompileCache
 from kiln.compile.config import CompilationConfig
@@ -68,8 +69,8 @@ DEVICE_MODULES = {
 class Preload:
     """The background thread and what it did: `parts` maps each step to its seconds."""
 
-    def __init__(self, device: torch.device, probe_entry: Path | None = None):
-        self.device, self.probe_entry = device, probe_entry
+    def __init__(self, device: torch.device, root: Path | None, probe_entry: Path | None = None):
+        self.device, self.root, self.probe_entry = device, root, probe_entry
         self.parts: dict[str, float] = {}
         self.errors: list[str] = []
         self.cuda_index = None
@@ -99,7 +100,7 @@ class Preload:
         _timed_step(self.parts, self.errors, name, fn)
 
     def _run(self) -> None:
-        _import_loading_path(self.device.type, self.parts, self.errors)
+        _import_loading_path(self.device.type, self.root, self.parts, self.errors)
         if self.probe_entry is not None:
             self._step("isa_probe", lambda: probe_isa_in(self.probe_entry))
             self._step("pieces", lambda: load_pieces_in(self.probe_entry))
@@ -107,24 +108,24 @@ class Preload:
             self._step("triton_key", lambda: _triton_keys(self.cuda_index))
 
 
-def prepare_loading(device_type: str) -> dict[str, float]:
+def prepare_loading(device_type: str, root: Path | None) -> dict[str, float]:
     """The preload's imports and torch's key, on this thread: what loading a first piece artifact
     would otherwise begin with (0.7-1.0 s on an H200 host). A cold capture calls it while its compile
     workers compile, where this thread would only wait. Its seconds per step; a failure only means
     the first load does the work itself."""
     parts: dict[str, float] = {}
     errors: list[str] = []
-    _import_loading_path(device_type, parts, errors)
+    _import_loading_path(device_type, root, parts, errors)
     logger.debug("artifact loading prepared: %s%s", ", ".join(f"{k} {v:.3f} s" for k, v in parts.items()),
                  f"; failed: {'; '.join(errors)}" if errors else "")
     return parts
 
 
-def _import_loading_path(device_type: str, parts: dict[str, float], errors: list[str]) -> None:
+def _import_loading_path(device_type: str, root: Path | None, parts: dict[str, float], errors: list[str]) -> None:
     with collector_paused():
         for module in COMMON_MODULES + DEVICE_MODULES.get(device_type, ()):
             _timed_step(parts, errors, "imports", lambda m=module: _import_if_present(m))
-    _timed_step(parts, errors, "torch_key", _torch_key)
+    _timed_step(parts, errors, "torch_key", lambda: source_keys.torch_key(root))
 
 
 def _timed_step(parts: dict[str, float], errors: list[str], name: str, fn) -> None:
@@ -142,12 +143,6 @@ def _import_if_present(name: str) -> None:
     except ModuleNotFoundError as e:
         if e.name != name:  # the module is there but one of its imports is not
             raise
-
-
-def _torch_key() -> None:
-    from torch._inductor.codecache import torch_key
-
-    torch_key()
 
 
 def _triton_keys(index: int) -> None:
@@ -172,10 +167,11 @@ def isa_probes_ahead_due(config: CompilationConfig, cache: CompileCache | None, 
             and config.piece_compiler == "inductor" and not cache.root.has_entry_for(cache.name, "cpu"))
 
 
-def start_preload(device: torch.device, probe_entry: Path | None = None) -> Preload | None:
-    """Start the preload for a model on `device`; None if it could not start."""
+def start_preload(device: torch.device, root: Path | None, probe_entry: Path | None = None) -> Preload | None:
+    """Start the preload for a model on `device` (`root`: the cache root, where the source keys
+    are recorded); None if it could not start."""
     try:
-        return Preload(device, probe_entry).start()
+        return Preload(device, root, probe_entry).start()
     except Exception as e:
         logger.debug("compile preload not started: %s: %s", type(e).__name__, e)
         return None
@@ -211,5 +207,5 @@ def preload_if_warm(config: CompilationConfig, cache: CompileCache | None, devic
         return None
     # On the CPU, Inductor's ISA probes and a first load of the pieces too, in the entry last written:
     # most likely the one this start will use (if not, that one does both itself, as without the preload).
-    cache.preload = start_preload(device, entries[0] if device.type == "cpu" else None)
+    cache.preload = start_preload(device, cache.root.path, entries[0] if device.type == "cpu" else None)
     return cache.preload

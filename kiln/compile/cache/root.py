@@ -7,14 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.compile.cache.entry import MANIFEST, CacheEntry
+from kiln.compile.cache.source_keys import KEYS_DIR
 from kiln.compile.cache.store import cache_root, check_root, private_dir, write_atomic
 from kiln.compile.monitor import logger
 
 # The root's folders that are not entries: the traced-sources index, Triton's kernel cache
-# (kiln.compile.cache.triton_kernels), kiln prewarm's tuning (kiln.ops.triton.gemv_configs) and
-# its builds of kiln's C++ CPU kernels (kiln.ops.cpu.extension).
+# (kiln.compile.cache.triton_kernels), kiln prewarm's tuning (kiln.ops.triton.gemv_configs),
+# its builds of kiln's C++ CPU kernels (kiln.ops.cpu.extension) and torch's and Triton's source
+# keys (kiln.compile.cache.source_keys).
 CPU_KERNELS = "cpu_kernels"
-NOT_ENTRIES = ("index", "triton", "tuning", CPU_KERNELS)
+NOT_ENTRIES = ("index", "triton", "tuning", CPU_KERNELS, KEYS_DIR)
 
 
 @dataclass
