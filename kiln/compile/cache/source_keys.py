@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -100,11 +101,8 @@ def record(root: Path) -> None:
     """Record both keys in `root` (kiln cache import: a start on this machine then computes
     neither). Triton's only where it is installed."""
     torch_key(root)
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return
-    triton_key(root)
+    if importlib.util.find_spec("triton") is not None:
+        triton_key(root)
 
 
 def _read(root: Path, name: str, mark: str) -> str | None:
