@@ -34,7 +34,8 @@ def refused_on(device_type: str) -> str | None:
     if device_type == "cuda":
         # torch 2.11.0+cu130 (the GPU image; H100 and H200, 2026-12-07): constructing a loader for any
         # CUDA package crashes the process (SIGSEGV), torch's own aoti_load_package of a package
-        # without custom ops included (benchmarks/results/aot_cuda_probe_h200/). No newer torch has
+        # without custom ops included (benchmarks/results/aot_cuda_probe_h200/), and so does the runner
+        # beneath it given the model's .so (benchmarks/results/aoti_runner_probe_h100/). No newer torch has
         # run kiln on a GPU, so CUDA is refused on every version until one loads a package there.
         return ("AOT packages are not made for CUDA: torch 2.11's package loader crashes the process "
                 "(segmentation fault) loading any CUDA package, and no newer torch has been tried on a GPU; "
