@@ -102,6 +102,9 @@ def test_torch_key_is_taken_back_from_the_record_in_a_fresh_process(tmp_path):
             source_keys.torch_key(root)  # computed and recorded
             [record] = (root / source_keys.KEYS_DIR).iterdir()
             assert record.read_text() == codecache.torch_key().hex()
+            record.write_text("not hex")  # damaged: computed and written again
+            source_keys.torch_key(root)
+            assert record.read_text() == codecache.torch_key().hex()
             record.write_text("00ff")  # what the next process must take, not compute
         else:
             source_keys.torch_key(root)

@@ -59,13 +59,17 @@ def torch_key(root: Path | None) -> None:
     # Its modules (.py, and extension .so), plus two files of Inductor's it hashes too.
     mark = fingerprint(Path(torch.__file__).parent, torch.__version__, (".py", ".so", ".cpp", ".ld"))
     recorded = _read(root, "torch", mark)
-    if recorded is not None:
-        try:
-            codecache.torch_key.set(bytes.fromhex(recorded))
-        except (AssertionError, RuntimeError):  # already computed in this process (2.11 asserts, 2.13 raises)
-            pass
+    try:
+        key = bytes.fromhex(recorded) if recorded is not None else None
+    except ValueError:  # a damaged record: computed and written again
+        key = None
+    if key is None:
+        _write(root, "torch", mark, codecache.torch_key().hex())
         return
-    _write(root, "torch", mark, codecache.torch_key().hex())
+    try:
+        codecache.torch_key.set(key)
+    except (AssertionError, RuntimeError):  # already computed in this process (2.11 asserts, 2.13 raises)
+        pass
 
 
 def triton_key(root: Path | None) -> str:
