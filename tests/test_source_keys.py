@@ -39,7 +39,8 @@ def test_fingerprint_follows_the_hashed_files_sizes_and_times_only(tmp_path):
 
 
 def _fake_triton(monkeypatch, package, calls):
-    """A stand-in for the triton modules that hold triton_key (the real one is not on a CPU install)."""
+    """A stand-in for the triton modules that hold triton_key: the tests neither depend on whether
+    Triton is installed nor pay its real key's 416 MB hash."""
     @functools.lru_cache()
     def triton_key():
         calls.append(1)

@@ -2,9 +2,9 @@
 
 Every Triton kernel's cache key begins with Triton's triton_key(): a hash of its compiler's
 sources and of its 416 MB libtriton.so. Every Inductor artifact's begins with torch_key(): a
-hash of torch's Python sources. Each process computes both once. On an H100 host that was 0.7 s
-of the Triton driver thread's time in an imported -O2 start, where the main thread then waited
-0.38 s for it, and 0.14-0.17 s of the compile preload's.
+hash of torch's Python sources. Each process computes both once. In an imported -O2 start on an
+H100 host that was 0.7 s of the Triton driver thread's time (under py-spy), which the main thread
+waited 0.38 s for, and 0.14-0.17 s of the compile preload's.
 
 Their inputs change only when a package is reinstalled or edited, and either changes the files'
 sizes or modification times: the test Python makes before it trusts a .pyc. So a key is
