@@ -17,7 +17,6 @@ or different record only means the key is computed as before, then recorded.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -25,6 +24,8 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from kiln.compile.cache.store import write_atomic
 
 KEYS_DIR = "source_keys"
 # Where Triton's triton_key is bound by name (imported with `from ... import triton_key`).
@@ -117,16 +118,7 @@ def _read(root: Path, name: str, mark: str) -> str | None:
 
 
 def _write(root: Path, name: str, mark: str, key: str) -> None:
-    from kiln.compile.cache.store import private_dir
-
-    folder = root / KEYS_DIR
-    target = folder / f"{name}-{mark}"
-    tmp = folder / f".{target.name}.{os.getpid()}.tmp"
     try:
-        private_dir(folder)
-        tmp.write_text(key)
-        os.replace(tmp, target)
+        write_atomic(root / KEYS_DIR / f"{name}-{mark}", key.encode())
     except OSError as e:  # a root it cannot write in: the next start computes the key again
-        logger.debug("source key %s not recorded in %s: %s", name, folder, e)
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        logger.debug("source key %s not recorded in %s: %s", name, root / KEYS_DIR, e)
