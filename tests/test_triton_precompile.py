@@ -8,6 +8,7 @@ calls it, with the specialization a launch of the RMSNorm kernel would have. The
 in a process outside interpret mode (the package's other tests run Triton's interpreter).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -118,6 +119,19 @@ def _check() -> None:
     del rms_norm_kernel.device_caches[0]
     for kernel, block in ((rms_norm_kernel, 1024), (fused_add_rms_norm_kernel, 2048)):
         assert launch(kernel, block, MissingKernels(target)) is False
+
+    # The workers key their cache entries with the parent's Triton key, which they do not compute
+    # again: given another, a worker's kernel lands where the parent never looks.
+    fresh = MissingKernels(target)
+    assert launch(rms_norm_kernel, 512, fresh) is True
+    (fresh_launch,) = fresh.launches.values()
+    compiler = KernelCompiler(target, knobs.cache.dir, workers=1)
+    compiler.header = compiler.header.replace(json.loads(compiler.header)["triton_key"], "another-triton-key")
+    compiler.submit(fresh_launch)
+    assert compiler.finish()["compiled"] == 1
+    assert not in_cache(rms_norm_kernel, fresh_launch.specialization, target)
+    assert compile_all([fresh_launch])["compiled"] == 1
+    assert in_cache(rms_norm_kernel, fresh_launch.specialization, target)
 
     # A kernel the worker cannot load is counted as failed (it would compile at its launch).
     broken = next(iter(recorder.launches.values()))

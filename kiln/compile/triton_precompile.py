@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,11 +56,16 @@ def triton_target(root: Path | None = None):
     """The current GPU's Triton target (backend, arch, warp size). Starting Triton's driver
     (which builds its C utilities on a fresh machine) and Triton's key (part of every cache
     key: recorded in the cache root `root`, see kiln.compile.cache.source_keys) happen here
-    once, so that a caller can run this in the background."""
-    from triton.runtime import driver
+    once, so that a caller can run this in the background. The two side by side: on a fresh
+    machine the key hashes Triton's ~400 MB library and the driver runs the C compiler, and
+    neither holds the GIL for long."""
+    from triton.runtime import driver  # imports every backend: the key's walk over them imports nothing more
 
-    source_keys.triton_key(root)
-    return driver.active.get_current_target()
+    with ThreadPoolExecutor(1, thread_name_prefix="kiln-triton-key") as pool:
+        key = pool.submit(source_keys.triton_key, root)
+        target = driver.active.get_current_target()
+        key.result()
+    return target
 
 
 def in_cache(fn, specialization: str, target) -> bool:
@@ -160,7 +166,11 @@ class KernelCompiler:
         self.start = time.perf_counter()
         self.workers = max(1, workers or min(os.cpu_count() or 1, MAX_WORKERS))
         self.env = dict(os.environ, TRITON_CACHE_DIR=cache_dir)
-        self.header = json.dumps([target.backend, target.arch, target.warp_size]) + "\n"
+        from triton.runtime import cache
+
+        # The key this process computed or read (triton_target): its workers need not hash Triton again.
+        self.header = json.dumps({"target": [target.backend, target.arch, target.warp_size],
+                                  "triton_key": cache.triton_key()}) + "\n"
         self.todo: queue.Queue[tuple[KernelLaunch, float] | None] = queue.Queue()  # with when it came
         self.threads: list[threading.Thread] = []
         self.submitted: set[str] = set()  # the launches' specializations

@@ -3,10 +3,10 @@
 Run as a script (`python <this file>`), never as `-m kiln...`: importing the kiln package
 imports torch (~1.5 s), and this process needs Triton and the kernels' own modules only
 (kiln's kernel modules, kiln.ops.triton.kernels.*, import nothing else). It reads one JSON
-kernel per stdin line, compiles it for the target on its first line, and answers one JSON
-line per kernel. The parent's own launch then finds the kernel (and its C launcher) in the
-cache dir, because both sides build the same Triton source and options from the same
-specialization data.
+kernel per stdin line, compiles it for the target named on its first line (with the parent's
+Triton key), and answers one JSON line per kernel. The parent's own launch then finds the
+kernel (and its C launcher) in the cache dir, because both sides build the same Triton source
+and options from the same specialization data.
 """
 
 from __future__ import annotations
@@ -67,11 +67,25 @@ def build_launcher(kernel, target) -> bool:
     return True
 
 
+def use_triton_key(key: str) -> None:
+    """Take the parent's Triton key (the same install: this process runs the parent's Python)
+    instead of computing it at the first compile: a hash of Triton's sources and its ~400 MB
+    library, ~0.3 s of every worker's first kernel on the dev CPU."""
+    from triton.runtime import autotuner, cache
+
+    def parents_triton_key() -> str:
+        return key
+
+    cache.triton_key = autotuner.triton_key = parents_triton_key
+
+
 def main() -> None:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    target = GPUTarget(*json.loads(sys.stdin.readline()))
+    header = json.loads(sys.stdin.readline())
+    target = GPUTarget(*header["target"])
+    use_triton_key(header["triton_key"])
     for line in sys.stdin:
         job = json.loads(line)
         start = time.perf_counter()
