@@ -103,6 +103,44 @@ def test_a_warm_start_with_the_preload_loads_every_piece_and_compiles_nothing(fi
     assert out["max_error"] <= 1e-4
 
 
+# An engine start that records what its main thread imports while the compile preload runs.
+_IMPORTS_BESIDE_THE_PRELOAD = """
+import json, sys, threading
+from kiln import LLM
+
+def preload_running():
+    return any(t.name == "kiln-compile-preload" and t.is_alive() for t in threading.enumerate())
+
+class Audit:
+    def find_spec(self, name, path, target=None):
+        if threading.current_thread() is threading.main_thread() and preload_running():
+            imported.append(name)
+        return None
+
+imported = []
+sys.meta_path.insert(0, Audit())
+llm = LLM("tiny-llama", device="cpu", compilation_config=2, max_num_batched_tokens=32)
+stats = llm.engine.runner.compiled.stats
+print(json.dumps({"imported": imported, "warm_phases": stats["warm_phases_s"],
+                  "inductor_compiles": stats["inductor_compiles"]}))
+"""
+
+
+def test_the_main_thread_imports_no_compiler_module_while_the_preload_imports_them(tmp_path):
+    # Two threads importing the same circular modules can deadlock, or one of them gets a module
+    # half initialised; the engine imports Dynamo before the preload starts, and CompiledModel joins
+    # the preload before it imports anything of Inductor's. Here a warm engine start proves it.
+    env = {"KILN_CACHE_ROOT": str(tmp_path)}
+    cold = _run("-c", _IMPORTS_BESIDE_THE_PRELOAD, env=env)
+    assert cold.returncode == 0, cold.stderr
+    warm = _run("-c", _IMPORTS_BESIDE_THE_PRELOAD, env=env)
+    assert warm.returncode == 0, warm.stderr
+    out = json.loads(warm.stdout.strip().splitlines()[-1])
+    assert out["inductor_compiles"] == 0 and "background.imports" in out["warm_phases"]  # a preloaded warm start
+    compiler = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx", "sympy", "triton")
+    assert [name for name in out["imported"] if name.startswith(compiler)] == []
+
+
 def _recorded_loads(monkeypatch) -> list[str]:
     from kiln.compile.cache.entry import CacheEntry
 
