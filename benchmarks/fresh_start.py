@@ -28,6 +28,8 @@ For each start: engine_ready_s (the engine's own timeline, weights included), pr
 phases, by the phase that followed: where its "other" went), compile_phase_s (dynamo + split +
 inductor + cache_load), capture_s (CUDA graphs; of it, capture_warm_up_runs taking
 capture_warm_up_s: the ordinary runs before the first capture of each compiled code),
+graphs_at_start and deferred_buckets (the buckets left for first use; after ready the child
+captures them as an idle server would: deferred_capture_s, graphs_after_deferred),
 triton_compiles (kernels Triton compiled in the process; of them triton_compiled_in_workers by
 kiln's precompile, in precompile_workers processes over precompile_s, the compiles summing
 precompile_kernel_s with precompile_launcher_s of C launchers, and precompile_kernels: each
@@ -64,11 +66,15 @@ from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILE_PHASES = ("dynamo", "split", "inductor", "cache_load")
-MODES = {"default": [], "O2": ["-O2"], "O2-aot": ["-O2"]}
+# O2-graphs-at-start: -O2 with its mixed-batch graphs captured before ready, as before they were
+# left for first use (the default).
+MODES = {"default": [], "O2": ["-O2"], "O2-aot": ["-O2"],
+         "O2-graphs-at-start": ["-O2", '-cc.cudagraph_prefill={"capture": "start"}']}
 # prewarm's flags for a mode: with no flag it prewarms -O2; the engine's default forward is
 # -O0 with full decode graphs on a GPU. O2-aot: -O2 from an archive with AOTInductor packages
 # (its cold start is O2's: not run again).
-PREWARM_FLAGS = {"default": ["-O0", "-cc.cudagraph_mode=FULL_DECODE_ONLY"], "O2": ["-O2"], "O2-aot": ["-O2", "--aot"]}
+PREWARM_FLAGS = {"default": ["-O0", "-cc.cudagraph_mode=FULL_DECODE_ONLY"], "O2": ["-O2"], "O2-aot": ["-O2", "--aot"],
+                 "O2-graphs-at-start": ["-O2"]}
 WARM_ONLY = {"O2-aot"}
 
 
@@ -91,6 +97,13 @@ def child(args: argparse.Namespace) -> None:
     ready = time.time()
     if profiler:
         profiler.dump_stats(args.profile_to)
+    # What the start left for first use: captured here as an idle server would, timed apart.
+    deferred = engine.runner.cudagraphs.stats["deferred_buckets"]
+    graphs_at_start = engine.runner.cudagraphs.stats["num_graphs"]
+    start = time.perf_counter()
+    while engine.capture_deferred_graph():
+        pass
+    deferred_capture_s = time.perf_counter() - start
     phases = engine.timeline.as_dict()["phases_s"]
     stats = engine.runner.compiled.stats
     print(json.dumps({
@@ -99,6 +112,8 @@ def child(args: argparse.Namespace) -> None:
         "compile_phase_s": sum(phases.get(p, 0.0) for p in COMPILE_PHASES), "capture_s": phases.get("cudagraphs", 0.0),
         "capture_warm_up_runs": engine.runner.cudagraphs.stats["warm_up_runs"],
         "capture_warm_up_s": engine.runner.cudagraphs.stats["warm_up_s"],
+        "graphs_at_start": graphs_at_start, "deferred_buckets": deferred, "deferred_capture_s": deferred_capture_s,
+        "graphs_after_deferred": engine.runner.cudagraphs.stats["num_graphs"],
         "triton_compiles": triton_kernels.counts()["compiled"], "triton_cache_hits": triton_kernels.counts()["cache_hits"],
         "triton_compiled_in_workers": triton_kernels.counts()["compiled_in_workers"],
         "precompile_s": triton_kernels.counts()["precompile_s"],
@@ -278,9 +293,10 @@ def main() -> None:
             for case in [c for c in ("cold", "imported", "warm") if c in report["modes"][mode]]:
                 r = report["modes"][mode][case]
                 kernels = sum(v for k, v in r["phases_s"].items() if k.startswith("kernels"))
-                print(f"{mode:8s} {case:9s} engine ready {r['engine_ready_s']:6.2f} s, process ready "
+                print(f"{mode:18s} {case:9s} engine ready {r['engine_ready_s']:6.2f} s, process ready "
                       f"{r['process_ready_s']:6.2f} s, compile {r['compile_phase_s']:5.2f} s, capture "
-                      f"{r['capture_s']:5.2f} s, Triton compiles {r['triton_compiles']} ({r['triton_compiled_in_workers']} in "
+                      f"{r['capture_s']:5.2f} s ({r['graphs_at_start']} graphs; {r['deferred_buckets']} buckets "
+                      f"deferred, {r['deferred_capture_s']:.2f} s after ready), Triton compiles {r['triton_compiles']} ({r['triton_compiled_in_workers']} in "
                       f"workers), kernels phases {kernels:.2f} s, Inductor compiles "
                       f"{r['inductor_compiles']}, Dynamo graphs {r['dynamo_graphs']}, AOT packages "
                       f"{r['packages_loaded']}, imported Dynamo/Inductor "

@@ -8,6 +8,8 @@ does (the engine's tokens with every step padded to a bucket equal the plain eng
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -87,6 +89,18 @@ def test_captures_go_largest_first_and_cover_every_bucket():
     assert sorted(n for p, n in todo if p == "prefill") == [1, 2, 4, 8, 16]
 
 
+def test_mixed_batch_graphs_wait_for_first_use_by_default():
+    d = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=8)
+    assert (d.prefill.capture, d.decode.capture) == ("first_use", "start")
+    assert [(p.name, n) for p, n in d.captures_at_start()] == [("decode", n) for n in (8, 4, 2, 1)]
+    assert [(p.name, n) for p, n in d.deferred_captures()] == [("prefill", n) for n in (16, 8, 4, 2, 1)]
+    assert "prefill piecewise (inductor, captured on first use, 5 buckets up to 16)" in d.describe()
+    both = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=8, cudagraph_prefill={"capture": "start"})
+    assert both.deferred_captures() == [] and both.captures_at_start() == both.captures()
+    later = dispatcher("FULL", max_num_seqs=8, cudagraph_decode={"capture": "first_use"})
+    assert later.captures_at_start() == [] and len(later.deferred_captures()) == 9
+
+
 def test_explicit_sizes_max_and_per_phase_overrides():
     d = dispatcher("FULL_AND_PIECEWISE", cudagraph_capture_sizes=[1, 4, 32, 64], max_cudagraph_capture_size=32,
                    cudagraph_decode={"sizes": [1, 2, 3], "compiler": "eager"})
@@ -122,6 +136,7 @@ def test_cpu_dispatcher_passes_through():
     ({"splitting_mode": "none", "cudagraph_mode": "PIECEWISE"}, "use cudagraph_mode FULL"),
     ({"max_cudagraph_capture_size": 0}, "positive integer"),
     ({"cudagraph_decode": {"max_batch": -1}}, "positive integer"),
+    ({"cudagraph_prefill": {"capture": "later"}}, "capture must be one of start, first_use"),
 ])
 def test_contradictions_fail_at_start_up(values, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -278,3 +293,75 @@ def test_code_for_groups_counts_by_what_runs_them(compiled_tiny_llama, tiny_llam
     assert compiled_tiny_llama.code_for(9) == compiled_tiny_llama.code_for(64)
     assert compile_model(tiny_llama, CompilationConfig(mode=0), 64).code_for(7) == "eager"
     assert compile_model(tiny_llama, CompilationConfig(mode=1), 64).code_for(7) is None
+
+
+class _RecordingPool:
+    """Stands in for CudagraphPool on the CPU: what ForwardCudagraphs' bookkeeping touches."""
+
+    num_graphs, capture_s = 0, 0.0
+
+    @contextlib.contextmanager
+    def session(self, collect: bool = True):
+        yield
+
+    def memory_bytes(self) -> int:
+        return 0
+
+
+def _deferring_graphs(tiny_llama, compiled_tiny_llama, monkeypatch, fail: set = frozenset()):
+    """ForwardCudagraphs over a FULL_AND_PIECEWISE dispatcher (decode buckets 1-8 at start,
+    mixed-batch buckets 1-16 on first use) whose captures are recorded instead of made."""
+    from kiln.cudagraph.forward import ForwardCudagraphs
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    graphs = ForwardCudagraphs(tiny_llama, compiled_tiny_llama, dispatcher("FULL_AND_PIECEWISE", max_num_seqs=8),
+                               StepBuffers(64, 8, 4, torch.device("cpu")), max_model_len=64, max_num_seqs=8)
+    graphs.pool = _RecordingPool()
+    made = []
+
+    def capture(phase, bucket, kv_caches, warm_up):
+        if (phase.name, bucket) in fail:
+            raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+        made.append((phase.name, bucket))
+        graphs.pool.num_graphs += 1
+        graphs.graphs[(phase.name, bucket)] = "graph"
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    return graphs, made
+
+
+def test_deferred_buckets_are_captured_on_first_use_and_when_idle(tiny_llama, compiled_tiny_llama, monkeypatch):
+    graphs, made = _deferring_graphs(tiny_llama, compiled_tiny_llama, monkeypatch)
+    graphs.capture_all({})
+    assert made == [("decode", 8), ("decode", 4), ("decode", 2), ("decode", 1)]
+    assert graphs.stats["deferred_buckets"] == 5 and len(graphs.deferred) == 5
+    # A decode step's graph is there already; a mixed step of 3 tokens needs bucket 4, captured once.
+    graphs.capture_for(8, uniform_decode=True)
+    graphs.capture_for(3, uniform_decode=False)
+    graphs.capture_for(4, uniform_decode=False)
+    assert made[4:] == [("prefill", 4)]
+    # Too many tokens for any bucket: nothing to capture.
+    graphs.capture_for(40, uniform_decode=False)
+    # An idle engine takes the rest, largest first, one a call.
+    assert graphs.capture_next() and made[-1] == ("prefill", 16)
+    while graphs.capture_next():
+        pass
+    assert made[5:] == [("prefill", 16), ("prefill", 8), ("prefill", 2), ("prefill", 1)]
+    assert graphs.deferred == [] and graphs.stats["captured_after_start"] == 5
+    assert graphs.stats["num_graphs"] == 9
+
+
+def test_a_deferred_capture_that_fails_leaves_its_bucket_ungraphed(tiny_llama, compiled_tiny_llama, monkeypatch,
+                                                                     caplog):
+    graphs, made = _deferring_graphs(tiny_llama, compiled_tiny_llama, monkeypatch, fail={("prefill", 8)})
+    graphs.capture_all({})
+    with caplog.at_level("WARNING", logger="kiln"):
+        graphs.capture_for(6, uniform_decode=False)
+    assert "could not capture the prefill graph of bucket 8" in caplog.text
+    assert ("prefill", 8) in graphs.failed and ("prefill", 8) not in graphs.graphs
+    graphs.capture_for(6, uniform_decode=False)  # not tried again
+    assert made[-1] == ("decode", 1) and ("prefill", 8) not in [b for b in made]
+    # Its steps still run: the same forward, without a graph.
+    choice = graphs.dispatcher.choose(6, uniform_decode=False)
+    hidden, head = graphs.run(choice, torch.zeros(8, dtype=torch.long), torch.arange(8))
+    assert hidden.shape[0] == 8 and head is None

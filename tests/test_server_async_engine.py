@@ -176,3 +176,44 @@ def test_an_engine_that_stopped_serving_leaves_the_heap_thawed():
 
     stopped = asyncio.run(main())  # still referenced: its engine's own finalizer cannot be what thawed
     assert stopped.engine is not None and gc.get_freeze_count() == 0
+
+
+
+def test_an_idle_engine_captures_the_graphs_left_for_first_use_one_at_a_time(monkeypatch):
+    """Between requests the engine thread captures the CUDA graphs a start left for first use
+    (ForwardCudagraphs.capture_next; on the CPU there are none, so a stand-in counts them),
+    looking for new requests after each, and the requests are served as before."""
+    from kiln import LLM
+    from kiln.engine.runner import ModelRunner
+
+    alone = LLM("tiny-llama", device="cpu", dtype="float32").generate(PROMPTS[:1], GREEDY)[0].token_ids
+    left = [3]
+
+    def capture_next_graph(runner):
+        left[0] -= 1
+        return left[0] >= 0
+
+    monkeypatch.setattr(ModelRunner, "capture_next_graph", capture_next_graph)
+
+    async def main():
+        engine = await _started(_config())
+        tokens = await _tokens(engine, PROMPTS[0])
+        await engine.shutdown()
+        return tokens
+
+    assert asyncio.run(main()) == alone
+    assert left[0] < 0  # all three taken, and the engine asked again
+
+
+def test_no_deferred_capture_while_a_request_is_unfinished(monkeypatch):
+    from kiln import LLM
+    from kiln.engine.runner import ModelRunner
+
+    asked = []
+    monkeypatch.setattr(ModelRunner, "capture_next_graph", lambda runner: asked.append(1) or True)
+    engine = LLM("tiny-llama", device="cpu", dtype="float32").engine
+    engine.add_request(PROMPTS[0], GREEDY)
+    assert not engine.capture_deferred_graph() and asked == []
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.capture_deferred_graph() and asked == [1]

@@ -42,6 +42,11 @@ CUDAGRAPH_MODES = {
 }
 PHASE_GRAPH_MODES = ("full", "piecewise", "breakable", "none")
 PHASE_COMPILERS = ("inductor", "eager")
+# When a phase's graphs are captured. Decode steps are most steps, so their graphs are ready
+# with the engine; a mixed step comes once per prompt chunk, and its buckets (a capture per
+# compiled piece each, in piecewise mode) would otherwise make most of an -O2 start's captures.
+PHASE_CAPTURE_TIMES = ("start", "first_use")
+DEFAULT_PHASE_CAPTURE = {"prefill": "first_use", "decode": "start"}
 
 # Inductor settings of kiln's piece compiles unless inductor_compile_config says otherwise.
 # A fused kernel keeps a bf16/fp16 op's result in fp32 for the next op where eager rounds it;
@@ -64,7 +69,8 @@ class PhaseGraphs:
     max_batch: largest bucket, in tokens (prefill) or sequences (decode); None: the global
     max. sizes: explicit buckets. static_compile (decode, full): SGLang's path, a whole
     forward compiled by Inductor with static shapes per bucket up to static_max_batch;
-    larger decode batches run eagerly.
+    larger decode batches run eagerly. capture: "start" (every bucket before the engine is
+    ready) or "first_use" (a bucket when a step first needs it, or while the engine idles).
     """
 
     mode: str
@@ -73,6 +79,7 @@ class PhaseGraphs:
     sizes: tuple[int, ...] = ()
     static_compile: bool = False
     static_max_batch: int = 32
+    capture: str = "start"
 DEFAULT_COMPILATION_LEVEL = 2
 SPLITTING_MODES = ("fx", "inductor_partition", "none")
 
@@ -235,7 +242,7 @@ class CompilationConfig:
         where = f"compilation cudagraph_{phase}"
         if not isinstance(overrides, dict):
             raise ValueError(f"{where} must be a JSON object like {{\"mode\": \"full\"}}, got {overrides!r}")
-        valid = ["mode", "compiler", "max_batch", "sizes"] + (["static_compile", "static_max_batch"]
+        valid = ["mode", "compiler", "max_batch", "sizes", "capture"] + (["static_compile", "static_max_batch"]
                                                              if phase == "decode" else [])
         unknown = sorted(set(overrides) - set(valid))
         if unknown:
@@ -251,8 +258,11 @@ class CompilationConfig:
         static_max = overrides.get("static_max_batch", 32)
         max_batch = overrides.get("max_batch")
         sizes = overrides.get("sizes", [])
+        capture = overrides.get("capture", DEFAULT_PHASE_CAPTURE[phase])
         if not isinstance(static, bool):
             raise ValueError(f"{where} static_compile must be true or false, got {static!r}")
+        if capture not in PHASE_CAPTURE_TIMES:
+            raise ValueError(f"{where} capture must be one of {', '.join(PHASE_CAPTURE_TIMES)}, got {capture!r}")
         for name, value in (("max_batch", max_batch), ("static_max_batch", static_max)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{where} {name} must be a positive integer, got {value!r}")
@@ -276,7 +286,7 @@ class CompilationConfig:
         if static and mode != "full":
             raise ValueError(f"{where}: static_compile captures whole-forward graphs; it needs mode "
                              f"'full', got {mode!r}")
-        return PhaseGraphs(mode, compiler, max_batch, tuple(sizes), static, static_max)
+        return PhaseGraphs(mode, compiler, max_batch, tuple(sizes), static, static_max, capture)
 
     @classmethod
     def level(cls, n: int, **overrides) -> "CompilationConfig":

@@ -23,6 +23,7 @@ class PhasePlan:
     buckets: BucketTable
     static_compile: bool = False
     static_max_batch: int = 0
+    capture: str = "start"  # "start" | "first_use" (PhaseGraphs.capture)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def phase_plan(name: str, phase: PhaseGraphs, sizes: list[int], limit: int) -> P
     if phase.mode == "none":
         chosen = []
     return PhasePlan(name, phase.mode, phase.compiler, BucketTable(chosen), phase.static_compile,
-                     phase.static_max_batch)
+                     phase.static_max_batch, phase.capture)
 
 
 class CudagraphDispatcher:
@@ -94,10 +95,18 @@ class CudagraphDispatcher:
         todo = [(p, n) for p in (self.prefill, self.decode) for n in p.buckets.sizes]
         return sorted(todo, key=lambda item: (-item[1], item[0].name))
 
+    def captures_at_start(self) -> list[tuple[PhasePlan, int]]:
+        """The captures the engine makes before it is ready; the others wait for first use."""
+        return [(p, n) for p, n in self.captures() if p.capture == "start"]
+
+    def deferred_captures(self) -> list[tuple[PhasePlan, int]]:
+        return [(p, n) for p, n in self.captures() if p.capture != "start"]
+
     def summary(self) -> dict:
         """Per phase: its graph mode, compiler and buckets (what inspect and prewarm print)."""
         return {"enabled": self.enabled, **{p.name: {"mode": p.mode, "compiler": p.compiler,
-                                                     "static_compile": p.static_compile, "buckets": p.buckets.sizes}
+                                                     "static_compile": p.static_compile, "buckets": p.buckets.sizes,
+                                                     "capture": p.capture}
                                             for p in (self.prefill, self.decode)}}
 
     def describe(self) -> str:
@@ -106,5 +115,7 @@ class CudagraphDispatcher:
             sizes = p.buckets.sizes
             span = f"{len(sizes)} buckets up to {sizes[-1]}" if sizes else "no buckets"
             extra = f", static compile up to {p.static_max_batch}" if p.static_compile else ""
+            if sizes and p.mode != "none" and p.capture != "start":
+                extra += ", captured on first use"
             parts.append(f"{p.name} {p.mode} ({p.compiler}{extra}, {span})")
         return "CUDA graphs: " + ("; ".join(parts) if self.enabled else "off (no CUDA device): calls pass through")

@@ -1,8 +1,10 @@
 """The model forward of each step, through the CUDA graph its batch was dispatched to.
 
-This is the package's entry point for the engine. Captured at start-up, after the KV cache
-exists (a full graph's attention reads it): every (phase, bucket) the dispatcher can pick,
-largest first, into one memory pool. A decode step also runs the engine's `head` on its
+This is the package's entry point for the engine. Captured after the KV cache exists (a full
+graph's attention reads it), into one memory pool: at start-up every (phase, bucket) of the
+phases that capture at start, largest first; a bucket of a phase that captures on first use
+before the first step dispatched to it is packed (capture_for), or earlier through
+capture_next(), which a server calls while it has no request. A decode step also runs the engine's `head` on its
 hidden states (the logits and the greedy choice): inside a full decode graph, so that the
 replay leaves only sampling's extra work, if any, to launch; after the forward otherwise.
 The first capture of each piece of code (a phase's forward, for each compiled shape) is
@@ -13,6 +15,7 @@ through (with the same dispatch and padding, when enabled).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -26,6 +29,8 @@ from kiln.cudagraph.piecewise import PiecewiseCudagraphs
 from kiln.cudagraph.pool import CudagraphPool, log_capture
 from kiln.cudagraph.step_buffers import PackedStep, StepBuffers
 from kiln.forward_context import set_forward_context
+
+logger = logging.getLogger("kiln")
 
 # What a decode step computes from its hidden states, with the forward (the engine's logits and
 # greedy tokens); its outputs are valid until the next step.
@@ -50,8 +55,15 @@ class ForwardCudagraphs:
         if any(phase.mode == "piecewise" for phase in (dispatcher.prefill, dispatcher.decode)):
             compiled.wrap_pieces(self.piecewise.wrap)
         self.graphs: dict[tuple[str, int], object] = {}  # (phase, bucket) -> captured graph
+        # Buckets left for first use (largest first), and those whose capture failed (they run
+        # without a graph); the KV cache the captures read, once capture_all has it.
+        self.deferred: list[tuple[PhasePlan, int]] = []
+        self.failed: set[tuple[str, int]] = set()
+        self.kv_caches: dict[str, torch.Tensor] | None = None
+        self._warmed: set = set()  # what _first_run has warmed up
         self.stats = {"num_graphs": 0, "capture_s": 0.0, "graph_memory_bytes": 0, "buckets": 0,
-                      "warm_up_runs": 0, "warm_up_s": 0.0}  # the runs before captures (_first_run)
+                      "warm_up_runs": 0, "warm_up_s": 0.0,  # the runs before captures (_first_run)
+                      "deferred_buckets": 0, "captured_after_start": 0, "capture_after_start_s": 0.0}
 
     # ------------------------------------------------------------------ per step
 
@@ -97,22 +109,75 @@ class ForwardCudagraphs:
     # ------------------------------------------------------------------ capture
 
     def capture_all(self, kv_caches: dict[str, torch.Tensor]) -> dict:
-        """Capture every graph the dispatcher can choose; returns stats for the timeline."""
-        todo = self.dispatcher.captures()
-        if self.pool is None or not todo:
+        """Capture the graphs of every phase that captures at start-up, and leave the others for
+        first use; returns stats for the timeline."""
+        todo = self.dispatcher.captures_at_start()
+        if self.pool is None:
+            return self.stats
+        self.kv_caches = kv_caches
+        self.deferred = self.dispatcher.deferred_captures()
+        self.stats["deferred_buckets"] = len(self.deferred)
+        if not todo:
             return self.stats
         torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        warmed: set = set()
         with self.pool.session():
             for phase, bucket in todo:
-                self._capture(phase, bucket, kv_caches, self._first_run(phase, bucket, warmed))
+                self._capture(phase, bucket, kv_caches, self._first_run(phase, bucket, self._warmed))
         torch.cuda.synchronize(self.device)
         used = self.pool.memory_bytes()
         self.stats.update(num_graphs=self.pool.num_graphs, capture_s=time.perf_counter() - start,
                           graph_memory_bytes=used, buckets=len(todo))
         log_capture(self.pool, used, self.stats["warm_up_runs"], self.stats["warm_up_s"])
+        if self.deferred:
+            phases = sorted({phase.name for phase, _ in self.deferred})
+            logger.info("%d bucket(s) of the %s phase are captured when a step first needs one, or while the "
+                        "engine idles", len(self.deferred), " and ".join(phases))
         return self.stats
+
+    def capture_next(self) -> bool:
+        """Capture the largest bucket still left for first use; False when none is left. A
+        server calls this between requests, so that later steps find their graphs ready."""
+        if not self.deferred:
+            return False
+        phase, bucket = self.deferred[0]
+        self._capture_later(phase, bucket)
+        return True
+
+    def capture_for(self, num_tokens: int, uniform_decode: bool) -> None:
+        """Before a step of `num_tokens` is packed: capture its bucket's graph if it was left for
+        first use."""
+        if not self.deferred:
+            return
+        choice = self.dispatcher.choose(num_tokens, uniform_decode)
+        for phase, bucket in self.deferred:
+            if phase.name == choice.phase and bucket == choice.bucket:
+                self._capture_later(phase, bucket)
+                return
+
+    def _capture_later(self, phase: PhasePlan, bucket: int) -> None:
+        """Capture one deferred bucket between steps. It writes an empty step into the step
+        buffers (the step that needs the graph writes its own after), and waits for the device
+        like every capture. One that fails (out of memory, say) leaves its bucket without a
+        graph: those steps run the same forward ungraphed."""
+        self.deferred.remove((phase, bucket))
+        start = time.perf_counter()
+        try:
+            with self.pool.session(collect=False):
+                self._capture(phase, bucket, self.kv_caches, self._first_run(phase, bucket, self._warmed))
+        except RuntimeError as e:  # torch.OutOfMemoryError among them
+            self.failed.add((phase.name, bucket))
+            logger.warning("could not capture the %s graph of bucket %d (%s); its steps run without a graph",
+                           phase.name, bucket, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return
+        seconds = time.perf_counter() - start
+        self.stats["captured_after_start"] += 1
+        self.stats["capture_after_start_s"] += seconds
+        self.stats["num_graphs"] = self.pool.num_graphs
+        logger.debug("captured the %s graph(s) of bucket %d in %.1f ms", phase.name, bucket, seconds * 1e3)
+        if not self.deferred:
+            logger.info("captured the %d deferred bucket(s) in %.2f s in all; %d CUDA graphs now",
+                        self.stats["captured_after_start"], self.stats["capture_after_start_s"], self.pool.num_graphs)
 
     def warm_up(self, kv_caches: dict[str, torch.Tensor], todo: list[tuple[PhasePlan, int]],
                 eager: bool = False) -> None:

@@ -199,7 +199,8 @@ class AsyncEngine:
             idle = not self.engine.has_unfinished()
             if idle and self._stop_at is not None:
                 break
-            self._apply_commands(block=idle)
+            # Idle with graphs left for first use: capture one, then look for requests again.
+            self._apply_commands(block=idle and not self.engine.capture_deferred_graph())
             if self._stop_at is not None and time.monotonic() >= self._stop_at:
                 break
             if self.engine.has_unfinished():

@@ -178,6 +178,14 @@ class LLMEngine:
         in_flight = self._in_flight is not None and any(not s.finished for s in self._in_flight.seqs)
         return self.scheduler.has_unfinished() or in_flight
 
+    def capture_deferred_graph(self) -> bool:
+        """Capture one CUDA graph that was left for first use, while no request runs (a server
+        calls this when idle, so that the first mixed steps after start-up find their graphs);
+        False when none is left or a request is unfinished."""
+        if self.is_shut_down or self.has_unfinished():
+            return False
+        return self.runner.capture_next_graph()
+
     def step(self) -> list[RequestOutput]:
         """Schedule and run the next batch; returns the outputs of every sequence that got a
         token. With async scheduling those are the previous step's: this step is queued on the

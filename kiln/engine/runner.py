@@ -307,6 +307,11 @@ class ModelRunner:
                                               dtype=self.dtype, device=self.device)
                 for layer in self.attn_layers}
 
+    def capture_next_graph(self) -> bool:
+        """Capture one CUDA graph left for first use (the largest bucket first); False when none
+        is left. For an engine with nothing to run."""
+        return self.cudagraphs is not None and self.cudagraphs.capture_next()
+
     def shutdown(self) -> None:
         """Free what this runner holds on its device (weights, KV cache, CUDA graphs and their pool)
         now rather than at some later garbage collection, and hand the cached blocks back to the
@@ -540,6 +545,10 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch) -> "LaunchedStep":
         """Queue one step on the device (the forward, the logits, sampling, and the copy of the
         tokens to the host) and return without waiting for it."""
+        # A graph left for first use is captured before the step's clock starts: the scheduler
+        # learns step costs from that clock.
+        if self.cudagraphs.deferred:
+            self.cudagraphs.capture_for(sum(batch.num_new_tokens), all(n == 1 for n in batch.num_new_tokens))
         started = None
         if self.device.type == "cuda":  # the device's time for the step: LaunchedStep.seconds
             started = torch.cuda.Event(enable_timing=True)

@@ -121,6 +121,11 @@ class TensorParallelRunner(ModelRunner):
         logger.info("tensor parallel: %d ranks over %s (%s), this process rank 0", size,
                     config.torch_device.type, self.workers.backend)
 
+    def capture_next_graph(self) -> bool:
+        """None alone: a capture runs the forward's collectives, which every rank must join. The
+        ranks capture a graph left for first use together, in the step that first needs it."""
+        return False
+
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
         if self.lost is not None:
             raise self.lost
