@@ -4,9 +4,10 @@ This is the package's entry point for the engine. Captured after the KV cache ex
 graph's attention reads it), into one memory pool: at start-up every (phase, bucket) of the
 phases that capture at start, largest first; a bucket of a phase that captures on first use
 before the first step dispatched to it is packed (capture_for), or earlier through
-capture_next(), which a server calls while it has no request. A decode step also runs the engine's `head` on its
-hidden states (the logits and the greedy choice): inside a full decode graph, so that the
-replay leaves only sampling's extra work, if any, to launch; after the forward otherwise.
+capture_next(), which a server calls while it has no request. A decode step also runs the
+engine's `head` on its hidden states (the logits and the greedy choice): inside a full decode
+graph, so that the replay leaves only sampling's extra work, if any, to launch; after the
+forward otherwise.
 The first capture of each piece of code (a phase's forward, for each compiled shape) is
 preceded by one ordinary run of the same shape, so that nothing compiles, autotunes or
 allocates lazily inside the capture. On the CPU nothing is captured and every call passes

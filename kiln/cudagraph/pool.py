@@ -75,11 +75,13 @@ class CudagraphPool:
         """Around one forward's captures: on the capture stream, finished when it ends."""
         torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        with torch.cuda.stream(self.stream):
-            yield
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        torch.cuda.synchronize(self.device)
-        self.capture_s += time.perf_counter() - start
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:  # a capture that failed while serving too: the next step's writes must wait for it
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            torch.cuda.synchronize(self.device)
+            self.capture_s += time.perf_counter() - start
 
     def capture(self, fn: Callable, *args) -> tuple["CapturedCudagraph", object]:
         """Capture fn(*args); returns the graph and fn's output, strongly held: the caller keeps

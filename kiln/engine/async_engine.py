@@ -200,7 +200,8 @@ class AsyncEngine:
             if idle and self._stop_at is not None:
                 break
             # Idle with graphs left for first use: capture one, then look for requests again.
-            self._apply_commands(block=idle and not self.engine.capture_deferred_graph())
+            captured = idle and self.engine.capture_deferred_graph()
+            self._apply_commands(block=idle and not captured)
             if self._stop_at is not None and time.monotonic() >= self._stop_at:
                 break
             if self.engine.has_unfinished():
