@@ -39,9 +39,9 @@ MODES = {
     "O2 FULL": (2, {"cudagraph_mode": "FULL"}),
     "O2 FULL_DECODE_ONLY": (2, {"cudagraph_mode": "FULL_DECODE_ONLY"}),
     "O2 FULL_AND_PIECEWISE": (2, {"cudagraph_mode": "FULL_AND_PIECEWISE"}),
-    # Mixed-batch graphs before ready instead of on first use (the default).
-    "O2 FULL_AND_PIECEWISE at start": (2, {"cudagraph_mode": "FULL_AND_PIECEWISE",
-                                           "cudagraph_prefill": {"capture": "start"}}),
+    # Mixed-batch graphs left for first use instead of captured before ready.
+    "O2 FULL_AND_PIECEWISE first use": (2, {"cudagraph_mode": "FULL_AND_PIECEWISE",
+                                            "cudagraph_prefill": {"capture": "first_use"}}),
     # Inductor partitions at the split ops instead of the FX split; piecewise graphs per partition.
     "O2 partition PIECEWISE": (2, {"splitting_mode": "inductor_partition", "cudagraph_mode": "PIECEWISE"}),
     "O2 partition FULL_AND_PIECEWISE": (2, {"splitting_mode": "inductor_partition",
@@ -81,8 +81,8 @@ def build(model: str, device: str, dtype: str, mode: str, max_num_seqs: int, deb
 
 def chosen_logprobs(outputs) -> list[list[dict[int, float]]]:
     """Per request, per generated token: the top log probabilities the engine reported. They
-    come from the step's logits wherever those were computed (inside a decode graph too), so
-    they line up across modes where recording compute_logits calls did not."""
+    come from the step's logits wherever those were computed (inside a decode graph too, padding
+    rows aside), so they line up across modes where recorded compute_logits calls did not."""
     return [[{t: lp.logprob for t, lp in entry.items()} for entry in o.outputs[0].logprobs] for o in outputs]
 
 

@@ -22,7 +22,7 @@ run() {
 # Parts, in the order they run; name some to run only those (a device call lasts at most
 # 10 minutes, and all of them together take longer: split them over two calls, e.g.
 # `bash benchmarks/gpu_suite.sh kernels graphs tiles` then `... engine cache bench`).
-# gemm, attention, attention-sweep, partition, prefix, prefix-steps, families, cache-nopyc, fresh, fresh-aot, aot-probe, ladder, decode, pdl, gc, reference, throughput, serving and tp (not in the default list):
+# gemm, attention, attention-sweep, partition, prefix, prefix-steps, families, cache-nopyc, fresh, fresh-aot, first-use, aot-probe, ladder, decode, pdl, gc, reference, throughput, serving and tp (not in the default list):
 # Inductor's partitions under CUDA graphs, prefix caching's TTFT, the model families, the cache part without cached bytecode, a fresh
 # machine's start, kiln's decode beside the stock loop, that loop alone, offline throughput, online serving, and
 # the tensor-parallel comparison (2 GPUs).
@@ -64,6 +64,16 @@ for part in $parts; do
         # (refused on CUDA for now: docs/compile-cache.md).
         fresh-aot) mkdir -p "$OUT/aot" && run python benchmarks/fresh_start.py --modes O2-aot O2 --no-reference \
                        --warm-only --out "$OUT/aot" ;;
+        # Mixed-batch graphs left for first use: every graph mode's tokens against eager's with them
+        # (generated twice, around the idle captures), then -O2 starts with and without, in both
+        # orders (about 5 minutes).
+        first-use) run python benchmarks/cudagraphs.py --check-debug --skip-bench --tag first-use --out "$OUT" \
+                       --check-modes eager "O2 FULL_AND_PIECEWISE" "O2 FULL_AND_PIECEWISE first use" "O2 FULL" default
+                   for order in "O2 O2-first-use" "O2-first-use O2"; do
+                       mkdir -p "$OUT/first-use-${order%% *}"
+                       run python benchmarks/fresh_start.py --modes $order --no-reference --warm-only \
+                           --out "$OUT/first-use-${order%% *}"
+                   done ;;
         # Which AOTInductor packages torch's loader loads, runs and captures on this GPU (about a minute).
         aot-probe) run python benchmarks/aot_cuda_probe.py --out "$OUT" ;;
         # The mixed-batch phase's coarse ladder beside the fine one under -O2: warm-start capture
@@ -106,7 +116,7 @@ for part in $parts; do
         bench) run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT" ;;
         # Needs 2 GPUs (nvidia-h200-x2): TP=1 against TP=2, with and without sequence parallelism.
         tp) run python benchmarks/tp_decode.py --out "$OUT" --modes graphs O2 O2+SP --batches 1 64 --timeout 150 ;;
-        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large attention attention-sweep partition prefix prefix-steps families engine dynamo cache cache-nopyc fresh fresh-aot aot-probe ladder decode pdl gc reference throughput serving bench tp" >&2; exit 2 ;;
+        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large attention attention-sweep partition prefix prefix-steps families engine dynamo cache cache-nopyc fresh fresh-aot first-use aot-probe ladder decode pdl gc reference throughput serving bench tp" >&2; exit 2 ;;
     esac
 done
 exit $status
