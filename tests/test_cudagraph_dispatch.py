@@ -305,6 +305,10 @@ class _RecordingPool:
     def session(self, collect: bool = True):
         yield
 
+    @contextlib.contextmanager
+    def capturing(self):
+        yield
+
     def memory_bytes(self) -> int:
         return 0
 
@@ -367,3 +371,54 @@ def test_a_deferred_capture_that_fails_leaves_its_bucket_ungraphed(tiny_llama, c
     choice = graphs.dispatcher.choose(6, uniform_decode=False)
     hidden, head = graphs.run(choice, torch.zeros(8, dtype=torch.long), torch.arange(8))
     assert hidden.shape[0] == 8 and head is None
+
+
+class _ReplayingPool(_RecordingPool):
+    """A CUDA graph's semantics on the CPU: a 'graph' keeps the function and the tensors it was
+    captured with, and a replay runs the function on those same tensors and writes the result
+    into the outputs the capture returned (a graph reads and writes fixed addresses)."""
+
+    def capture(self, fn, *args):
+        out = fn(*args)
+        self.num_graphs += 1
+        return _Replay(fn, args, out), out
+
+
+class _Replay:
+    def __init__(self, fn, args, out):
+        self.fn, self.args, self.output = fn, args, out
+
+    def replay(self, *args):
+        fresh = self.fn(*self.args)
+        for kept, new in zip(torch.utils._pytree.tree_leaves(self.output), torch.utils._pytree.tree_leaves(fresh)):
+            kept.copy_(new)
+        return self.output
+
+
+def test_graphs_captured_on_first_use_and_when_idle_give_the_engines_tokens(monkeypatch):
+    """The whole engine with graphs that replay as CUDA graphs do (fixed inputs and outputs),
+    mixed-batch buckets left for first use: captures in the middle of a generate (async
+    scheduling, a step in flight) and after it give the tokens of an engine without graphs."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (int(n),), generator=gen).tolist() for n in torch.randint(3, 30, (6,), generator=gen)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    kw = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=128, block_size=4,
+              max_model_len=128, async_scheduling=True)  # on by default on GPUs only
+    plain = [o.token_ids for o in LLM("tiny-llama", **kw).generate(prompts, params)]
+    config = CompilationConfig.level(1, cudagraph_mode="FULL_AND_PIECEWISE", max_cudagraph_capture_size=16,
+                                     cudagraph_prefill={"capture": "first_use"})
+    llm = LLM("tiny-llama", compilation=config, **kw)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    graphs = llm.engine.runner.cudagraphs
+    graphs.dispatcher = CudagraphDispatcher.from_config(config, 4, 16, enabled=True)
+    graphs.pool = graphs.piecewise.pool = _ReplayingPool()
+    graphs.capture_all(llm.engine.runner.kv_caches)
+    assert {phase for phase, _ in graphs.graphs} == {"decode"} and graphs.deferred
+    assert llm.engine.async_scheduling
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+    used = graphs.stats["captured_after_start"]
+    assert used > 0 and graphs.deferred, "no mixed step was captured on first use, or all were"
+    while llm.engine.capture_deferred_graph():
+        pass
+    assert not graphs.deferred and graphs.stats["captured_after_start"] > used
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
