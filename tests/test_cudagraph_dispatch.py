@@ -400,7 +400,8 @@ def test_graphs_captured_on_first_use_and_when_idle_give_the_engines_tokens(monk
     mixed-batch buckets left for first use: captures in the middle of a generate (async
     scheduling, a step in flight) and after it give the tokens of an engine without graphs."""
     gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 500, (int(n),), generator=gen).tolist() for n in torch.randint(3, 30, (6,), generator=gen)]
+    prompts = [torch.randint(3, 500, (int(n),), generator=gen).tolist()
+               for n in torch.randint(3, 30, (6,), generator=gen)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     kw = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=128, block_size=4,
               max_model_len=128, async_scheduling=True)  # on by default on GPUs only
