@@ -87,7 +87,9 @@ def triton_key(root: Path | None) -> str:
         key = computed()
         _write(root, "triton", mark, key)
         return key
-    if computed.cache_info().currsize == 0:  # not computed in this process yet
+    # Not computed in this process yet (an earlier engine of this process may have pointed it
+    # at a record already: a plain function then, without lru_cache's cache_info).
+    if hasattr(computed, "cache_info") and computed.cache_info().currsize == 0:
         _point_at(recorded, computed)
     return recorded
 
