@@ -39,9 +39,9 @@ MODES = {
     "O2 FULL": (2, {"cudagraph_mode": "FULL"}),
     "O2 FULL_DECODE_ONLY": (2, {"cudagraph_mode": "FULL_DECODE_ONLY"}),
     "O2 FULL_AND_PIECEWISE": (2, {"cudagraph_mode": "FULL_AND_PIECEWISE"}),
-    # Mixed-batch graphs left for first use instead of captured before ready.
-    "O2 FULL_AND_PIECEWISE first use": (2, {"cudagraph_mode": "FULL_AND_PIECEWISE",
-                                            "cudagraph_prefill": {"capture": "first_use"}}),
+    # Mixed-batch graphs before ready instead of on first use (the default).
+    "O2 FULL_AND_PIECEWISE at start": (2, {"cudagraph_mode": "FULL_AND_PIECEWISE",
+                                           "cudagraph_prefill": {"capture": "start"}}),
     # Inductor partitions at the split ops instead of the FX split; piecewise graphs per partition.
     "O2 partition PIECEWISE": (2, {"splitting_mode": "inductor_partition", "cudagraph_mode": "PIECEWISE"}),
     "O2 partition FULL_AND_PIECEWISE": (2, {"splitting_mode": "inductor_partition",

@@ -68,8 +68,8 @@ for part in $parts; do
         # (generated twice, around the idle captures), then -O2 starts with and without, in both
         # orders (about 5 minutes).
         first-use) run python benchmarks/cudagraphs.py --check-debug --skip-bench --tag first-use --out "$OUT" \
-                       --check-modes eager "O2 FULL_AND_PIECEWISE" "O2 FULL_AND_PIECEWISE first use" "O2 FULL" default
-                   for order in "O2 O2-first-use" "O2-first-use O2"; do
+                       --check-modes eager "O2 FULL_AND_PIECEWISE" "O2 FULL_AND_PIECEWISE at start" "O2 FULL" default
+                   for order in "O2 O2-graphs-at-start" "O2-graphs-at-start O2"; do
                        mkdir -p "$OUT/first-use-${order%% *}"
                        run python benchmarks/fresh_start.py --modes $order --no-reference --warm-only \
                            --out "$OUT/first-use-${order%% *}"

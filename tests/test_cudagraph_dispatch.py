@@ -89,17 +89,16 @@ def test_captures_go_largest_first_and_cover_every_bucket():
     assert sorted(n for p, n in todo if p == "prefill") == [1, 2, 4, 8, 16]
 
 
-def test_a_phase_may_leave_its_graphs_for_first_use():
-    both = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=8)
-    assert (both.prefill.capture, both.decode.capture) == ("start", "start")
-    assert both.deferred_captures() == [] and both.captures_at_start() == both.captures()
-    d = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=8, cudagraph_prefill={"capture": "first_use"})
+def test_mixed_batch_graphs_wait_for_first_use_by_default():
+    d = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=8)
+    assert (d.prefill.capture, d.decode.capture) == ("first_use", "start")
     assert [(p.name, n) for p, n in d.captures_at_start()] == [("decode", n) for n in (8, 4, 2, 1)]
     assert [(p.name, n) for p, n in d.deferred_captures()] == [("prefill", n) for n in (16, 8, 4, 2, 1)]
     assert "prefill piecewise (inductor, captured on first use, 5 buckets up to 16)" in d.describe()
+    both = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=8, cudagraph_prefill={"capture": "start"})
+    assert both.deferred_captures() == [] and both.captures_at_start() == both.captures()
     later = dispatcher("FULL", max_num_seqs=8, cudagraph_decode={"capture": "first_use"})
-    assert {p.name for p, _ in later.captures_at_start()} == {"prefill"}
-    assert [(p.name, n) for p, n in later.deferred_captures()] == [("decode", n) for n in (8, 4, 2, 1)]
+    assert later.captures_at_start() == [] and len(later.deferred_captures()) == 9
 
 
 def test_explicit_sizes_max_and_per_phase_overrides():
@@ -319,8 +318,7 @@ def _deferring_graphs(tiny_llama, compiled_tiny_llama, monkeypatch, fail: set = 
     from kiln.cudagraph.forward import ForwardCudagraphs
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    d = dispatcher("FULL_AND_PIECEWISE", max_num_seqs=8, cudagraph_prefill={"capture": "first_use"})
-    graphs = ForwardCudagraphs(tiny_llama, compiled_tiny_llama, d,
+    graphs = ForwardCudagraphs(tiny_llama, compiled_tiny_llama, dispatcher("FULL_AND_PIECEWISE", max_num_seqs=8),
                                StepBuffers(64, 8, 4, torch.device("cpu")), max_model_len=64, max_num_seqs=8)
     graphs.pool = _RecordingPool()
     made = []

@@ -42,11 +42,11 @@ CUDAGRAPH_MODES = {
 }
 PHASE_GRAPH_MODES = ("full", "piecewise", "breakable", "none")
 PHASE_COMPILERS = ("inductor", "eager")
-# When a phase's graphs are captured. A mixed step comes once per prompt chunk, and its buckets
-# (a capture per compiled piece each, in piecewise mode) are most of an -O2 start's captures:
-# "first_use" leaves them for later (docs/cuda-graphs.md). Not the default until the GPU's
-# token check (benchmarks/gpu_suite.sh first-use) has run it.
+# When a phase's graphs are captured. Decode steps are most steps, so their graphs are ready
+# with the engine; a mixed step comes once per prompt chunk, and its buckets (a capture per
+# compiled piece each, in piecewise mode) would otherwise make most of an -O2 start's captures.
 PHASE_CAPTURE_TIMES = ("start", "first_use")
+DEFAULT_PHASE_CAPTURE = {"prefill": "first_use", "decode": "start"}
 
 # Inductor settings of kiln's piece compiles unless inductor_compile_config says otherwise.
 # A fused kernel keeps a bf16/fp16 op's result in fp32 for the next op where eager rounds it;
@@ -258,7 +258,7 @@ class CompilationConfig:
         static_max = overrides.get("static_max_batch", 32)
         max_batch = overrides.get("max_batch")
         sizes = overrides.get("sizes", [])
-        capture = overrides.get("capture", "start")
+        capture = overrides.get("capture", DEFAULT_PHASE_CAPTURE[phase])
         if not isinstance(static, bool):
             raise ValueError(f"{where} static_compile must be true or false, got {static!r}")
         if capture not in PHASE_CAPTURE_TIMES:

@@ -22,8 +22,8 @@ def mixed_batch_ladder(max_size: int) -> list[int]:
 
     Coarser below 128 because a mixed step is rare beside decode steps (one per prompt or
     chunk) while each of its buckets costs a capture, one per compiled piece in piecewise mode
-    (19 buckets x 33 pieces were 0.8-0.9 s of an -O2 start on the H200; "capture": "first_use"
-    takes them out of the start, PhaseGraphs.capture), and
+    (19 buckets x 33 pieces were 0.8-0.9 s of an -O2 start on the H200; they are now captured
+    on first use or while a server idles, PhaseGraphs.capture), and
     because up to 128 rows a step's GEMMs are bound by the weights' bytes, so padding adds
     little (H200, llama-3-8b: a layer's GEMMs at 64 rows 117 us, at 128 rows 131 us). Above
     128 they approach the compute bound, and the fine steps stay.
