@@ -22,7 +22,7 @@ run() {
 # Parts, in the order they run; name some to run only those (a device call lasts at most
 # 10 minutes, and all of them together take longer: split them over two calls, e.g.
 # `bash benchmarks/gpu_suite.sh kernels graphs tiles` then `... engine cache bench`).
-# gemm, attention, attention-sweep, partition, prefix, prefix-steps, families, cache-nopyc, fresh, fresh-aot, first-use, aot-probe, ladder, decode, pdl, gc, reference, throughput, serving and tp (not in the default list):
+# gemm, attention, attention-sweep, partition, prefix, prefix-steps, families, cache-nopyc, fresh, fresh-aot, first-use, profile, aot-probe, ladder, decode, pdl, gc, reference, throughput, serving and tp (not in the default list):
 # Inductor's partitions under CUDA graphs, prefix caching's TTFT, the model families, the cache part without cached bytecode, a fresh
 # machine's start, kiln's decode beside the stock loop, that loop alone, offline throughput, online serving, and
 # the tensor-parallel comparison (2 GPUs).
@@ -74,6 +74,10 @@ for part in $parts; do
                        run python benchmarks/fresh_start.py --modes $order --no-reference --warm-only \
                            --out "$OUT/first-use-${order%% *}"
                    done ;;
+        # The default mode's and -O2's decode steps under torch.profiler at b1/64/256: kernels, launches,
+        # GPU idle time (about a minute).
+        profile) run python benchmarks/profile_step.py --modes default "compiled -O2" --batch 1 64 256 --context 128 \
+                     --top 30 --out "$OUT" ;;
         # Which AOTInductor packages torch's loader loads, runs and captures on this GPU (about a minute).
         aot-probe) run python benchmarks/aot_cuda_probe.py --out "$OUT" ;;
         # The mixed-batch phase's coarse ladder beside the fine one under -O2: warm-start capture
@@ -116,7 +120,7 @@ for part in $parts; do
         bench) run python -m kiln.cli bench --model llama-3-8b --device cuda --modes eager stock once O2 --out "$OUT" ;;
         # Needs 2 GPUs (nvidia-h200-x2): TP=1 against TP=2, with and without sequence parallelism.
         tp) run python benchmarks/tp_decode.py --out "$OUT" --modes graphs O2 O2+SP --batches 1 64 --timeout 150 ;;
-        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large attention attention-sweep partition prefix prefix-steps families engine dynamo cache cache-nopyc fresh fresh-aot first-use aot-probe ladder decode pdl gc reference throughput serving bench tp" >&2; exit 2 ;;
+        *) echo "unknown part $part; parts: kernels gemv graphs tiles tiles-large attention attention-sweep partition prefix prefix-steps families engine dynamo cache cache-nopyc fresh fresh-aot first-use profile aot-probe ladder decode pdl gc reference throughput serving bench tp" >&2; exit 2 ;;
     esac
 done
 exit $status
