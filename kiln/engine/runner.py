@@ -526,8 +526,7 @@ class ModelRunner:
             if end == known + seq.num_pending_tokens:  # caught up: its last logits choose the next token
                 sample_rows.append(step.query_start_loc[-1] - 1)
                 sample_seqs.append(seq)
-        uniform_decode = all(n == 1 for n in batch.num_new_tokens)
-        choice, (input_ids, positions, meta) = self.cudagraphs.pack(step, uniform_decode)
+        choice, (input_ids, positions, meta) = self.cudagraphs.pack(step, batch.uniform_decode)
         if pending_rows:
             rows = to_device(pending_rows, torch.long, self.device)
             input_ids.index_copy_(0, rows, self._in_flight[0].index_select(0, to_device(pending_from, torch.long,
@@ -548,7 +547,7 @@ class ModelRunner:
         # A graph left for first use is captured before the step's clock starts: the scheduler
         # learns step costs from that clock.
         if self.cudagraphs.deferred:
-            self.cudagraphs.capture_for(sum(batch.num_new_tokens), all(n == 1 for n in batch.num_new_tokens))
+            self.cudagraphs.capture_for(batch.num_tokens, batch.uniform_decode)
         started = None
         if self.device.type == "cuda":  # the device's time for the step: LaunchedStep.seconds
             started = torch.cuda.Event(enable_timing=True)

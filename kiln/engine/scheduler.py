@@ -43,6 +43,11 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def uniform_decode(self) -> bool:
+        """One new token per sequence: a step of the decode phase's CUDA graphs."""
+        return all(n == 1 for n in self.num_new_tokens)
+
 
 # Under a time budget: the prefill tokens of the first step, before any cost is measured,
 # and the fewest a step may take (so that a slow step still makes progress).
