@@ -1,6 +1,6 @@
 """The machine code of kiln's attention, one-row GEMV, RMSNorm and rotary kernels for sm_90
-(H100/H200), compiled on a machine without a GPU: instructions, barriers, registers and late loads
-per launch configuration (a measurement, not a test).
+(H100/H200), compiled on a machine without a GPU: instructions, barriers, registers, late loads and
+(attention) shared memory per launch configuration (a measurement, not a test).
 
     python benchmarks/kernel_code.py --out benchmarks/results
 
@@ -131,10 +131,13 @@ def main() -> None:
         for offsets_64 in (False, True):
             kernel, tiles = compile_attention(batch, query_len, splits, offsets_64)
             stats = sass_stats(kernel.asm["cubin"], out)
+            # Shared memory is the pipeline's K and V buffers (and q): it bounds the programs an SM holds.
+            shared = kernel.metadata.shared
             rows.append({"case": name, "offsets_64": offsets_64, "block_m": tiles.block_m, "block_n": tiles.block_n,
-                         "num_warps": tiles.num_warps, "kv_splits": splits, **stats})
+                         "num_warps": tiles.num_warps, "num_stages": tiles.num_stages or 3, "kv_splits": splits,
+                         "shared_bytes": shared, **stats})
             print(f"attention {name:13s} {'64' if offsets_64 else '32'}-bit offsets: {stats['instructions']:5d} "
-                  f"instructions, {stats['registers']} registers, key loops "
+                  f"instructions, {stats['registers']} registers, {shared / 1024:.0f} KB shared, key loops "
                   f"{[loop['instructions'] for loop in stats['loops']]}")
     gemv_rows = []
     for name, n, k, activation in GEMV_SHAPES:
