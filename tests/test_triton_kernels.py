@@ -284,6 +284,21 @@ def test_default_gemv_configs_fit_their_shapes():
     assert not gemv.config_fits(gemv._config(256, 64, 1, 8, 4), 64, 28672, 4096, 132, False, 4)
 
 
+def test_tuned_gemv_tables_hold_configs_the_pruning_keeps():
+    # A table row is typed in from a GPU run's JSON: each entry must be a library or a config
+    # the autotuner could have picked for that shape (both GPUs in the table have 132 SMs).
+    from kiln.ops.triton import gemv_configs
+
+    for gpu, table in gemv_configs.TUNED.items():
+        for (n, k, block_m), entry in table.items():
+            assert block_m in (1, 16, 32, 64), (gpu, n, k, block_m)
+            if entry in gemv_configs.LIBRARIES:
+                assert block_m > gemv.MIN_DOT_ROWS, (gpu, n, k, block_m, entry)
+                continue
+            config = gemv._config(*entry)
+            assert gemv.config_fits(config, block_m, n, k, 132, block_m == 1), (gpu, n, k, block_m, entry)
+
+
 @pytest.mark.parametrize("kernel,rows", [("fma", 1), ("fma", 3), ("dot", 2), ("dot", 11), ("dot", 37)])
 def test_skinny_matmul_every_config(kernel, rows, poisoned_empty):
     """Each config by hand (the autotuner runs only the winner afterwards), split-K ones
