@@ -41,15 +41,20 @@ class RowHistory:
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            history: list[RowHistory] | None = None, in_flight: torch.Tensor | None = None,
            allowed: torch.Tensor | None = None, greedy: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [num_seqs, vocab] fp32 -> one token id per row, on logits' device (a new tensor).
-    `history` (one per row) is needed where a row has penalties or min_tokens; `in_flight` holds
-    the tokens its `pending` indices point to; `allowed` (structured output) is a [num_seqs,
-    vocab / 32] int32 bitmask of the tokens each row may take; `greedy`, if given, is
-    greedy_tokens(logits), already computed (in a decode step's CUDA graph)."""
+    """logits [num_seqs, vocab] -> one token id per row, on logits' device (a new tensor). The
+    logits are fp32, or in the model's dtype where their `.float()` is the logits (a decode
+    graph's head: decode_head), cast here only if read. `history` (one per row) is needed where
+    a row has penalties or min_tokens; `in_flight` holds the tokens its `pending` indices point
+    to; `allowed` (structured output) is a [num_seqs, vocab / 32] int32 bitmask of the tokens
+    each row may take; `greedy`, if given, is greedy_tokens(logits), already computed (in a
+    decode step's CUDA graph)."""
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if greedy is not None and not rows and allowed is None and not any(_controlled_rows(params, history)):
+        return greedy.clone()  # the graph's output is overwritten by the next replay
+    logits = logits.float()
     if allowed is not None:
         logits = logits.masked_fill(~allowed_tokens(allowed, logits.shape[1]), float("-inf"))
     controlled = apply_controls(logits, params, history, in_flight)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
     if greedy is not None and controlled is logits and allowed is None:
         tokens = greedy.clone()  # the graph's output is overwritten by the next replay
     elif len(rows) < len(params):
@@ -87,15 +92,21 @@ def plain(params: SamplingParams) -> bool:
     return not params.logit_bias and not params.allowed_token_ids and not needs_history(params)
 
 
+def _controlled_rows(params: list[SamplingParams], history: list[RowHistory] | None) -> tuple[list[int], ...]:
+    """The rows apply_controls changes: (allowed_token_ids, logit_bias, min_tokens not yet reached,
+    penalties, bad_words)."""
+    return ([i for i, p in enumerate(params) if p.allowed_token_ids],
+            [i for i, p in enumerate(params) if p.logit_bias],
+            [i for i, p in enumerate(params) if p.min_tokens and history[i].num_output < p.min_tokens],
+            [i for i, p in enumerate(params) if p.has_penalties],
+            [i for i, p in enumerate(params) if p.bad_words])
+
+
 def apply_controls(logits: torch.Tensor, params: list[SamplingParams], history: list[RowHistory] | None,
                    in_flight: torch.Tensor | None) -> torch.Tensor:
     """The logits with each row's allowed_token_ids, logit_bias, min_tokens, bad_words and penalties
     applied (a new tensor where any applies)."""
-    restricted = [i for i, p in enumerate(params) if p.allowed_token_ids]
-    biased = [i for i, p in enumerate(params) if p.logit_bias]
-    masked = [i for i, p in enumerate(params) if p.min_tokens and history[i].num_output < p.min_tokens]
-    penalised = [i for i, p in enumerate(params) if p.has_penalties]
-    banned = [i for i, p in enumerate(params) if p.bad_words]
+    restricted, biased, masked, penalised, banned = _controlled_rows(params, history)
     if not (restricted or biased or masked or penalised or banned):
         return logits
     logits, dev = logits.clone(), logits.device
@@ -339,13 +350,14 @@ def largest_cuts(logits: torch.Tensor) -> torch.Tensor:
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, settings: torch.Tensor, seeds: torch.Tensor,
                 cuts: Cuts) -> torch.Tensor:
     """A whole batch sampled on the GPU with no host value but through tensors (what a decode
-    step's sampling CUDA graph captures): logits [rows, vocab] fp32, greedy [rows] their argmax,
-    settings [len(SETTINGS), rows] (settings_of, on the device), seeds [rows] int64 (seeds_of;
-    any value for a greedy row) -> int64 [rows]. A row's token is what sample() draws for it with
+    step's sampling CUDA graph captures): logits [rows, vocab] fp32 or as sample() takes them,
+    greedy [rows] their argmax, settings [len(SETTINGS), rows] (settings_of, on the device), seeds
+    [rows] int64 (seeds_of; any value for a greedy row) -> int64 [rows]. A row's token is what sample() draws for it with
     the same seed, but for rounding: its sums run over this batch's rows, not only the sampled."""
     from kiln.ops.triton.argmax import gumbel_argmax
 
     temperature, min_p, top_p, top_k, is_greedy = settings.unsqueeze(-1)
+    logits = logits.float()
     threshold = cut_threshold(logits, cuts, temperature, min_p, top_k, top_p)
     drawn = gumbel_argmax(logits, threshold.reshape(-1), seeds, temperature.reshape(-1))
     return torch.where(is_greedy.squeeze(1) > 0, greedy, drawn)

@@ -163,10 +163,14 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [num_tokens, hidden]; logits only where needed, below."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """fp32 logits; with fp32=False, where those are only lm_head's output cast (no softcap),
+        that output in the model's dtype: its `.float()` is the logits, its argmax theirs."""
+        logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
-        return logits if not cap else torch.tanh(logits / cap) * cap
+        if cap:
+            return torch.tanh(logits.float() / cap) * cap
+        return logits.float() if fp32 else logits
 
     @staticmethod
     def check_tensor_parallel(cfg: ModelArchConfig, size: int) -> None:
