@@ -352,8 +352,9 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, settings: torch.Tens
     """A whole batch sampled on the GPU with no host value but through tensors (what a decode
     step's sampling CUDA graph captures): logits [rows, vocab] fp32 or as sample() takes them,
     greedy [rows] their argmax, settings [len(SETTINGS), rows] (settings_of, on the device), seeds
-    [rows] int64 (seeds_of; any value for a greedy row) -> int64 [rows]. A row's token is what sample() draws for it with
-    the same seed, but for rounding: its sums run over this batch's rows, not only the sampled."""
+    [rows] int64 (seeds_of; any value for a greedy row) -> int64 [rows]. A row's token is what
+    sample() draws for it with the same seed, but for rounding: its sums run over this batch's
+    rows, not only the sampled."""
     from kiln.ops.triton.argmax import gumbel_argmax
 
     temperature, min_p, top_p, top_k, is_greedy = settings.unsqueeze(-1)
