@@ -31,10 +31,10 @@ def _without_head(llm: LLM) -> LLM:
 
 def _mixed_params():
     return [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3, presence_penalty=0.5,
-                             ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=0, logit_bias={13: 100.0}, min_tokens=4, logprobs=3)]
+            SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+            SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3, presence_penalty=0.5,
+                           ignore_eos=True),
+            SamplingParams(max_tokens=12, temperature=0, logit_bias={13: 100.0}, min_tokens=4, logprobs=3)]
 
 
 def test_outputs_equal_the_engine_without_the_head(engines):
