@@ -134,7 +134,7 @@ def main() -> None:
             # Shared memory is the pipeline's K and V buffers (and q): it bounds the programs an SM holds.
             shared = kernel.metadata.shared
             rows.append({"case": name, "offsets_64": offsets_64, "block_m": tiles.block_m, "block_n": tiles.block_n,
-                         "num_warps": tiles.num_warps, "num_stages": tiles.num_stages or 3, "kv_splits": splits,
+                         "num_warps": tiles.num_warps, "num_stages": kernel.metadata.num_stages, "kv_splits": splits,
                          "shared_bytes": shared, **stats})
             print(f"attention {name:13s} {'64' if offsets_64 else '32'}-bit offsets: {stats['instructions']:5d} "
                   f"instructions, {stats['registers']} registers, {shared / 1024:.0f} KB shared, key loops "
