@@ -24,12 +24,13 @@ logger = logging.getLogger("kiln")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp",
                                                         "kv_cache_write.cpp")]
-HEADERS = [Path(__file__).with_name("float_bits.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("float_bits.h", "vector_exp.h")]
 NAME = "kiln_cpu_kernels"
-# The machine's own vector units; expf without errno, so that the softmax's exponentials
-# vectorise. OpenMP because at::parallel_for is a header whose `omp parallel` is compiled here:
-# without it the kernel ran on one thread whatever torch's count (16 decodes at 100 tokens, 2
-# threads: 273 -> 136 us). The library then needs libgomp.so.1, the one torch has loaded.
+# The machine's own vector units; math calls without errno, so that sqrt is one instruction (the
+# softmax's exp is vector_exp.h's: glibc's vector expf needs -ffast-math). OpenMP because
+# at::parallel_for is a header whose `omp parallel` is compiled here: without it the kernel ran on
+# one thread whatever torch's count (16 decodes at 100 tokens, 2 threads: 273 -> 136 us). The
+# library then needs libgomp.so.1, the one torch has loaded.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]
 _loaded: ModuleType | None = None

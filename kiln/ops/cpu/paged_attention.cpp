@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "float_bits.h"
+#include "vector_exp.h"
 
 namespace {
 
@@ -92,7 +93,7 @@ void attend_tile_gemm(const T* q_base, const T* k_base, const T* v_base, T* out_
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t c = 0; c < count; ++c) {
-                sr[c] = std::exp(sr[c] - new_max);
+                sr[c] = vector_exp(sr[c] - new_max);
                 sum += sr[c];
             }
             running_sum[r] = running_sum[r] * rescale + sum;
@@ -232,7 +233,7 @@ void attend(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
                     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
                     for (int64_t c = 0; c < count; ++c) {
-                        sr[c] = std::exp(sr[c] - new_max);  // glibc's vector expf (-fno-math-errno)
+                        sr[c] = vector_exp(sr[c] - new_max);
                         sum += sr[c];
                     }
                     running_sum[r] = running_sum[r] * rescale + sum;
