@@ -122,7 +122,7 @@ def decode_cases(copy_rate: float, sweep: list[AttentionTiles], device: str) -> 
 
 def _tiles_row(tiles: AttentionTiles) -> dict:
     return {"block_n": tiles.block_n, "num_warps": tiles.num_warps, "num_stages": tiles.num_stages,
-            "heads_first": tiles.heads_first}
+            "heads_first": tiles.heads_first, "max_registers": tiles.max_registers}
 
 
 def prefill_case(matmul_rate: float, sweep: list[AttentionTiles], device: str, tokens: int = 2048) -> dict:
@@ -160,7 +160,8 @@ def prefill_case(matmul_rate: float, sweep: list[AttentionTiles], device: str, t
     print(f"prefill {tokens}: {seconds * 1e6:.1f} us, {flops / seconds / 1e12:.0f} TFLOP/s "
           f"({row['vs_matmul_rate']:.2f} of the matmul rate)", flush=True)
     for r in ok[:8]:
-        print(f"    m{r['block_m']} n{r['block_n']} w{r['num_warps']} st{r['num_stages']} hf{int(r['heads_first'])}: "
+        print(f"    m{r['block_m']} n{r['block_n']} w{r['num_warps']} st{r['num_stages']} hf{int(r['heads_first'])} "
+              f"r{r['max_registers']}: "
               f"{r['us']:.1f} us {r['vs_matmul_rate']:.2f} err {r['max_err']:.1e}", flush=True)
     return row
 
@@ -184,10 +185,14 @@ def main():
     prefill_sweep = [] if args.quick else [
         AttentionTiles(block_m, block_n, warps, stages, heads_first=True)  # as paged_attention's prefill
         for block_m, block_n, warps, stages in itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (None, 2, 3, 4))
-        if block_m < 256 or not args.prefill_only]
+        if block_m < 256 or not args.prefill_only] + [
+        # 8 warps under a register cap: two blocks a SM (the long-prompt default since session 36)
+        AttentionTiles(128, block_n, 8, stages, heads_first=True, max_registers=cap)
+        for block_n, stages, cap in itertools.product((32, 64), (3, 4), (128, 168))]
     # The 2048-token sweep's leaders, and the heads-first tiles of session 20, at other lengths.
     short_sweep = [AttentionTiles(m, n, 4, stages, heads_first=True)
                    for m, n, stages in ((64, 64, 2), (64, 64, None), (128, 64, 3), (128, 64, None), (128, 32, 3))]
+    short_sweep.append(AttentionTiles(128, 64, 8, 3, heads_first=True, max_registers=128))
     result = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_rate,
               "matmul_flops_per_s": matmul_rate, "prefill": prefill_case(matmul_rate, prefill_sweep, device),
               "prefill_lengths": [prefill_case(matmul_rate, short_sweep, device, tokens)

@@ -59,7 +59,7 @@ ARG_TYPES = dict(
 GEMV_SHAPES = [("qkv", 6144, 4096, ""), ("down", 4096, 14336, "silu")]
 
 
-def compile_kernel(kernel, constants: dict, num_warps: int, num_stages: int):
+def compile_kernel(kernel, constants: dict, num_warps: int, num_stages: int, max_registers: int | None = None):
     names = kernel.arg_names
     constants = {k: v for k, v in constants.items() if k in names}  # a kernel of another commit may lack one
     signature, attrs = {}, {}
@@ -72,7 +72,8 @@ def compile_kernel(kernel, constants: dict, num_warps: int, num_stages: int):
         if signature[name].startswith("*") or "stride" in name or name in ("N", "K", "hidden_size"):
             attrs[(index,)] = [["tt.divisibility", 16]]
     return compile(ASTSource(kernel, signature, constants, attrs), target=TARGET,
-                   options={"num_warps": num_warps, "num_stages": num_stages})
+                   options={"num_warps": num_warps, "num_stages": num_stages,
+                            **({"maxnreg": max_registers} if max_registers else {})})
 
 
 def compile_attention(batch: int, query_len: int, splits: int, offsets_64: bool):
@@ -81,7 +82,8 @@ def compile_attention(batch: int, query_len: int, splits: int, offsets_64: bool)
                      BLOCK_DIM=DIM, BLOCK_SIZE=BLOCK, KV_SPLITS=splits, DOT_PRECISION="tf32",
                      ONE_QUERY=query_len == 1, HAS_WINDOW=False, HAS_SOFTCAP=False, HEADS_FIRST=tiles.heads_first,
                      OFFSETS_64=offsets_64)
-    return compile_kernel(paged_attention_kernel, constants, tiles.num_warps, tiles.num_stages or 3), tiles
+    return compile_kernel(paged_attention_kernel, constants, tiles.num_warps, tiles.num_stages or 3,
+                          tiles.max_registers), tiles
 
 
 def sass_stats(cubin: bytes, workdir: Path) -> dict:
@@ -110,10 +112,11 @@ def sass_stats(cubin: bytes, workdir: Path) -> dict:
                 loops.append({"instructions": len(body), "integer_multiply_adds": ops["IMAD"],
                               "mma": ops["HMMA"] + ops["HGMMA"], "exp2": ops["MUFU"], "barriers": ops["BAR"],
                               "shared_memory": ops["STS"] + ops["LDS"]})
-    registers = re.search(r"REG:(\d+)", usage)
+    registers, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     first_barrier = next((i for i, text in enumerate(instructions) if "BAR.SYNC" in text), len(instructions))
     first_store = next((i for i, text in enumerate(instructions) if "STG" in text), len(instructions))
     return {"instructions": len(instructions), "registers": int(registers.group(1)) if registers else None,
+            "stack_bytes": int(stack.group(1)) if stack else None,  # spilled registers live there
             "loops": loops,
             "loads_after_first_barrier": sum("LDG" in text for text in instructions[first_barrier:]),
             "loads_after_first_store": sum("LDG" in text for text in instructions[first_store:])}
@@ -135,9 +138,11 @@ def main() -> None:
             shared = kernel.metadata.shared
             rows.append({"case": name, "offsets_64": offsets_64, "block_m": tiles.block_m, "block_n": tiles.block_n,
                          "num_warps": tiles.num_warps, "num_stages": kernel.metadata.num_stages, "kv_splits": splits,
+                         "max_registers": tiles.max_registers,
                          "shared_bytes": shared, **stats})
             print(f"attention {name:13s} {'64' if offsets_64 else '32'}-bit offsets: {stats['instructions']:5d} "
-                  f"instructions, {stats['registers']} registers, {shared / 1024:.0f} KB shared, key loops "
+                  f"instructions, {stats['registers']} registers ({stats['stack_bytes']} B stack), "
+                  f"{shared / 1024:.0f} KB shared, key loops "
                   f"{[loop['instructions'] for loop in stats['loops']]}")
     gemv_rows = []
     for name, n, k, activation in GEMV_SHAPES:

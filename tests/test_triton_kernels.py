@@ -678,11 +678,13 @@ def test_prefill_tiles_run_heads_first_longest_tiles_first_and_fall_back_past_th
 
 
 def test_long_prompts_take_128_row_tiles():
-    # From 2048 query tokens on, prefill takes 128-row tiles (32 tokens of a 4-head group here),
-    # over prompts that end mid-tile and beside decode rows.
-    tiles = choose_tiles(2048, 4, 64)
-    assert (tiles.block_m, tiles.block_n, tiles.heads_first) == (128, 64, True)
+    # From 1536 query tokens on, prefill takes 128-row tiles (32 tokens of a 4-head group here) of 8
+    # warps under a register cap, over prompts that end mid-tile and beside decode rows.
+    tiles = choose_tiles(1536, 4, 64)
+    assert (tiles.block_m, tiles.block_n, tiles.num_warps, tiles.heads_first, tiles.max_registers) == (
+        128, 64, 8, True, 128)
     assert choose_tiles(1024, 4, 128).block_m == 64 and choose_tiles(2048, 256, 128).block_m == 256
+    assert choose_tiles(1024, 4, 128).max_registers is None
     assert choose_tiles(2048, 4, 128, element_size=4).block_m == 64  # fp32's tiles would not fit shared memory
     batch = PagedBatch(**MIXED, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
     assert_attention_matches(batch, batch.kernel_output(tiles=tiles), batch.reference_output())
@@ -790,13 +792,19 @@ def _compile_all_for_sm90() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
+    import re
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
     from kiln.ops.triton import gemv
     from kiln.ops.triton.kernels import activation, attention, moe, norm, rotary
     from kiln.ops.triton.kernels import argmax as argmax_kernels
     from kiln.ops.triton.kernels import gemv as gemv_kernels
     from kiln.ops.triton.kernels import kept_mass as kept_mass_kernels
 
-    def build(kernel, args: dict, constants: dict, num_warps=4, num_stages=3, pdl=(0, 1)):
+    def build(kernel, args: dict, constants: dict, num_warps=4, num_stages=3, pdl=(0, 1), max_registers=None):
         # Each with programmatic dependent launch off and on (kiln.ops.triton.dependent_launch):
         # on, the kernel must wait for its predecessor (griddepcontrol.wait), off it must not.
         for mode in pdl:
@@ -812,9 +820,20 @@ def _compile_all_for_sm90() -> None:
                 if args[name].startswith("*") or "stride" in name:
                     attrs[(index,)] = [["tt.divisibility", 16]]
             compiled = compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": bool(mode)})
+                               options={"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": bool(mode),
+                                        **({"maxnreg": max_registers} if max_registers else {})})
             assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == bool(mode), (kernel.__name__, constants)
             print("compiled", kernel.__name__, constants)
+        return compiled
+
+    def registers(compiled) -> int:
+        tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+        with tempfile.TemporaryDirectory() as folder:
+            cubin = Path(folder) / "kernel.cubin"
+            cubin.write_bytes(compiled.asm["cubin"])
+            usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(cubin)],
+                                   capture_output=True, text=True, check=True).stdout
+        return int(re.search(r"REG:(\d+)", usage).group(1))
 
     bf16, f32, i32 = "*bf16", "fp32", "i32"
     build(norm.rms_norm_kernel, dict(x_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, x_row_stride=i32,
@@ -873,6 +892,15 @@ def _compile_all_for_sm90() -> None:
                    ONE_QUERY=one_query, HAS_WINDOW=window, HAS_SOFTCAP=softcap,
                    HEADS_FIRST=one_query and head_dim == 128, OFFSETS_64=dtype == "fp32"),
               4, stages)
+    # The long-prompt tile as choose_tiles gives it: its register cap reaches ptxas (8 warps at <= 128
+    # registers: two blocks a SM; uncapped, ptxas takes 186 and an SM holds one).
+    tiles = choose_tiles(2048, 4, 128)
+    compiled = build(attention.paged_attention_kernel, dict(attention_args, query_ptr=bf16, out_ptr=bf16),
+                     dict(GROUP=4, HEAD_DIM=128, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_DIM=128,
+                          BLOCK_SIZE=16, KV_SPLITS=1, DOT_PRECISION="tf32", ONE_QUERY=False, HAS_WINDOW=False,
+                          HAS_SOFTCAP=False, HEADS_FIRST=tiles.heads_first, OFFSETS_64=False),
+                     tiles.num_warps, tiles.num_stages, pdl=(0,), max_registers=tiles.max_registers)
+    assert tiles.max_registers and registers(compiled) <= tiles.max_registers, registers(compiled)
     # The MoE grouped GEMM: both launches (gate/up of the routed rows, weighted down), decode and prefill blocks.
     moe_args = dict(a_ptr=bf16, b_ptr=bf16, c_ptr=bf16, weight_ptr="*fp32", sorted_pairs_ptr="*i32",
                     block_expert_ptr="*i32", num_pairs=i32, N=i32, K=i32, a_row_stride=i32, b_expert_stride=i32,

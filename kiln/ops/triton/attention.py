@@ -114,6 +114,7 @@ class AttentionTiles:
     num_warps: int
     num_stages: int | None = None  # software-pipelining depth; None: Triton's default
     heads_first: bool = False  # grid (kv heads, tiles, splits) rather than (tiles, kv heads, splits)
+    max_registers: int | None = None  # ptxas's cap a thread (Triton's maxnreg); None: ptxas chooses
 
 
 @functools.cache
@@ -130,12 +131,13 @@ def choose_tiles(max_query_len: int, group: int, head_dim: int, programs: int = 
         # 107 us; alone, either order left it at 132).
         if head_dim > 128:
             return AttentionTiles(block_m=block_m, block_n=32, num_warps=4, heads_first=True)
-        if max_query_len >= 2048 and element_size <= 2:
-            # Long prompts amortize a taller tile's keys over twice the rows (decode_attention.py
-            # --prefill-lengths, H100, 32/8 heads d128: 2048 tokens 105 -> 95 us, 8192 1580 ->
-            # 1310 us); up to 1024 tokens the 64-row tile was 1.3-1.7x faster. Not in fp32: its
-            # key and value tiles at Triton's default depth would need ~200 KB of shared memory.
-            return AttentionTiles(block_m=max(block_m, 128), block_n=64, num_warps=4, heads_first=True)
+        if max_query_len >= 1536 and element_size <= 2:
+            # Long prompts amortize a taller tile's keys over twice the rows. Its fp32 accumulator
+            # spills in 4 warps and leaves 8 warps one block a SM (186 registers); capped at 128, two
+            # fit (H100, attention_ncu_h100/: 1536 tokens 65 -> 56 us, 2048 97 -> 87, 8192 1315 ->
+            # 1255; at 1024 the 64-row tile stays faster). Not in fp32: ~200 KB of shared memory.
+            return AttentionTiles(block_m=max(block_m, 128), block_n=64, num_warps=8, num_stages=3, heads_first=True,
+                                  max_registers=128)
         return AttentionTiles(block_m=block_m, block_n=64, num_warps=4, num_stages=2, heads_first=True)
     sms = _multiprocessor_count(device or torch.device("cpu"))
     if head_dim > 128:
@@ -287,6 +289,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tens
         OFFSETS_64=needs_64bit_offsets(key_cache),
         num_warps=tiles.num_warps, **pdl_args(query.device),
         **({"num_stages": tiles.num_stages} if tiles.num_stages is not None else {}),
+        **({"maxnreg": tiles.max_registers} if tiles.max_registers is not None else {}),
     )
 
 
