@@ -789,14 +789,13 @@ def test_kernels_compile_for_sm90():
 
 
 def _compile_all_for_sm90() -> None:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
     import re
     import tempfile
     from pathlib import Path
 
     import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
 
     from kiln.ops.triton import gemv
     from kiln.ops.triton.kernels import activation, attention, moe, norm, rotary
